@@ -221,6 +221,27 @@ def group_advantages(rewards: torch.Tensor, *, delta: float = 1e-4, global_std: 
     return torch.where(spread > 0, adv, torch.zeros_like(adv))
 
 
+def multi_reward_advantages(
+    rewards: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    *,
+    aggregation: str = "advantage",
+    delta: float = 1e-4,
+    global_std: bool = False,
+) -> torch.Tensor:
+    """Advantages (P, G) from several rewards, each (P, G).
+
+    aggregation "reward": A = adv(sum_k w_k R_k), one advantage of the weighted reward sum.
+    aggregation "advantage": A = sum_k w_k adv(R_k), MixGRPO's advantage aggregation: each reward
+    is normalised in its own group first, so no reward dominates by its scale.
+    """
+    if aggregation == "reward":
+        return group_advantages(sum(w * rewards[k] for k, w in weights.items()), delta=delta, global_std=global_std)
+    if aggregation == "advantage":
+        return sum(w * group_advantages(rewards[k], delta=delta, global_std=global_std) for k, w in weights.items())
+    raise ValueError(f"aggregation must be 'reward' or 'advantage', got {aggregation!r}")
+
+
 def soft_clip(adv: torch.Tensor, *, eta: float | None) -> torch.Tensor:
     """Advantage soft-clipping A <- eta tanh(A / eta) (Eq. 17); eta None disables. Any shape.
 

@@ -1,0 +1,547 @@
+"""Rewards for V-GRPO behind one contract, plus an HTTP bridge for rewards that live elsewhere.
+
+Contract, for every reward:
+
+    reward(images, prompts, metadata=None) -> float32 tensor (B,), higher is better
+
+images: float tensor (B, 3, H, W) in [0, 1] (the VAE output mapped from [-1, 1]); prompts: B
+strings; metadata: B dicts (from a jsonl prompt file) or None. Scores are computed under no_grad,
+models in eval mode on the device they were built for; the result is on images.device.
+
+| name                   | score                                               | typical range      |
+| ---------------------- | --------------------------------------------------- | ------------------ |
+| color                  | 1 - |mean RGB - colour named in prompt| / sqrt(3)    | [0, 1]             |
+| jpeg_compressibility   | -(JPEG size in kB at quality 95), as in DDPO        | about -100 .. -1   |
+| jpeg_incompressibility | +(JPEG size in kB at quality 95)                    | about 1 .. 100     |
+| pickscore              | logit_scale * cos(image, text), raw (some codebases | about 18 .. 24     |
+|                        | divide by 26 to get about 0.7 .. 0.9)               |                    |
+| clipscore              | cos(image, text), CLIP ViT-L/14 (the CLIPScore      | about 0.15 .. 0.40 |
+|                        | paper reports 2.5 * max(cos, 0))                    |                    |
+| hpsv21                 | cos(image, text), HPSv2.1 (open_clip ViT-H-14)      | about 0.20 .. 0.40 |
+| aesthetic              | LAION improved aesthetic predictor on CLIP L/14     | 1 .. 10            |
+| imagereward            | ImageReward v1.0 (optional package image-reward)    | about -2.5 .. 2.5  |
+| ocr, geneval,          | HTTP client of a local server (protocol below)      | server-defined     |
+| unifiedreward, http    |                                                     |                    |
+
+Model weights come from a hub id or a local directory via from_pretrained; the two checkpoints
+that exist only as .pt/.pth files are read with torch.load(weights_only=True); nothing uses
+trust_remote_code. Heavy imports happen inside the factories.
+
+HTTP protocol (the `http`, `ocr`, `geneval` and `unifiedreward` clients; `python rewards.py serve`):
+    POST <url>  {"images": [base64 PNG, ...], "prompts": [str, ...], "metadata": [dict, ...] | null}
+    200         {"scores": [float, ...]}        (one finite number per image, same order)
+    GET <url>   {"status": "ok", "reward": NAME}
+`python rewards.py serve NAME --port P` serves any reward of this file over the same protocol, on
+127.0.0.1 unless --host says otherwise, so heavy rewards can run in another environment.
+"""
+
+import argparse
+import base64
+import io
+import json
+import math
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+Reward = Callable[..., torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------------
+# Image helpers
+
+
+def to_uint8(images: torch.Tensor) -> np.ndarray:
+    """(B, 3, H, W) floats in [0, 1] -> (B, H, W, 3) uint8, rounding like torchvision's to_pil_image."""
+    return (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def to_pil(images: torch.Tensor) -> list:
+    from PIL import Image
+
+    return [Image.fromarray(a) for a in to_uint8(images)]
+
+
+def clip_preprocess(images: torch.Tensor, image_processor: Any) -> torch.Tensor:
+    """Tensor twin of a CLIP image processor's PIL path: resize (bicubic, antialiased like PIL),
+    centre crop, normalise. (B, 3, H, W) in [0, 1] -> (B, 3, crop_h, crop_w)."""
+    h, w = images.shape[-2:]
+    size = image_processor.size
+    if "shortest_edge" in size:  # keep the aspect ratio; the long side is truncated with int()
+        short = size["shortest_edge"]
+        new_h, new_w = (int(short * h / w), short) if w <= h else (short, int(short * w / h))
+    else:
+        new_h, new_w = size["height"], size["width"]
+    x = F.interpolate(images.float(), size=(new_h, new_w), mode="bicubic", antialias=True).clamp(0, 1)
+    crop_h, crop_w = image_processor.crop_size["height"], image_processor.crop_size["width"]
+    top, left = (new_h - crop_h) // 2, (new_w - crop_w) // 2
+    x = x[..., top:top + crop_h, left:left + crop_w]
+    mean = torch.tensor(image_processor.image_mean, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(image_processor.image_std, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def resolve_file(spec: str) -> str:
+    """A local file, or 'hub_repo_id:filename' fetched (and cached) with huggingface_hub."""
+    if os.path.isfile(spec):
+        return spec
+    repo, sep, filename = spec.partition(":")
+    if not sep or not filename:
+        raise FileNotFoundError(f"{spec!r} is neither a local file nor 'hub_repo_id:filename'")
+    from huggingface_hub import hf_hub_download
+
+    return hf_hub_download(repo, filename)
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# Verifiable rewards: no model, no download
+
+COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0),
+          "cyan": (0.0, 1.0, 1.0), "magenta": (1.0, 0.0, 1.0), "white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0)}
+_COLOR_WORD = re.compile(r"\b(" + "|".join(COLORS) + r")\b", re.IGNORECASE)
+
+
+def prompt_color(prompt: str, metadata: dict | None = None) -> str:
+    """The target colour: metadata["color"] if given, else the first colour word of the prompt."""
+    name = (metadata or {}).get("color")
+    if name is None:
+        match = _COLOR_WORD.search(prompt)
+        if match is None:
+            raise ValueError(f"the color reward needs a colour word ({', '.join(COLORS)}) in the prompt "
+                             f"or metadata['color']; got prompt {prompt!r}")
+        name = match.group(1)
+    if name.lower() not in COLORS:
+        raise ValueError(f"unknown colour {name!r}; choose from {', '.join(COLORS)}")
+    return name.lower()
+
+
+def color(*, device: str = "cpu") -> Reward:
+    """Text-conditioned and verifiable: how close the mean colour of the image is to the colour the
+    prompt names, 1 - |mean RGB - target| / sqrt(3), in [0, 1]. (device: unused, no model.)"""
+
+    def reward(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        metadata = metadata or [None] * len(prompts)
+        target = torch.tensor([COLORS[prompt_color(p, m)] for p, m in zip(prompts, metadata)], device=images.device)
+        return 1 - (images.float().mean(dim=(2, 3)) - target).norm(dim=1) / math.sqrt(3)
+
+    return reward
+
+
+def jpeg_size_kb(images: torch.Tensor, *, quality: int = 95) -> torch.Tensor:
+    """Size in kB (1000 bytes) of each image encoded as JPEG, (B,) float32 on images.device."""
+    sizes = []
+    for image in to_pil(images):
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=quality)
+        sizes.append(buffer.tell() / 1000)
+    return torch.tensor(sizes, dtype=torch.float32, device=images.device)
+
+
+def jpeg_compressibility(*, device: str = "cpu", quality: int = 95) -> Reward:
+    """DDPO's compressibility: minus the JPEG size in kB. (device: unused, no model.)"""
+    return lambda images, prompts, metadata=None: -jpeg_size_kb(images, quality=quality)
+
+
+def jpeg_incompressibility(*, device: str = "cpu", quality: int = 95) -> Reward:
+    """DDPO's incompressibility: the JPEG size in kB. (device: unused, no model.)"""
+    return lambda images, prompts, metadata=None: jpeg_size_kb(images, quality=quality)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLIP-family rewards (transformers CLIPModel)
+
+
+class ClipScorer:
+    """scale * cos(image, text) with a transformers CLIPModel; scale = exp(logit_scale) or 1."""
+
+    def __init__(self, model: nn.Module, processor: Any, *, use_logit_scale: bool, device: str, dtype: torch.dtype):
+        self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.processor, self.use_logit_scale, self.device, self.dtype = processor, use_logit_scale, device, dtype
+        self.max_length = model.config.text_config.max_position_embeddings
+
+    @torch.no_grad()
+    def embed_images(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) in [0, 1] -> unit-norm projected embeddings (B, D), float32."""
+        pixels = clip_preprocess(images.to(self.device), self.processor.image_processor).to(self.dtype)
+        pooled = self.model.vision_model(pixel_values=pixels).pooler_output
+        return F.normalize(self.model.visual_projection(pooled).float(), dim=-1)
+
+    @torch.no_grad()
+    def embed_texts(self, prompts: Sequence[str]) -> torch.Tensor:
+        tokens = self.processor.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
+                                          return_tensors="pt").to(self.device)
+        pooled = self.model.text_model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).pooler_output
+        return F.normalize(self.model.text_projection(pooled).float(), dim=-1)
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        cos = (self.embed_images(images) * self.embed_texts(prompts)).sum(dim=-1)
+        scale = self.model.logit_scale.exp().float() if self.use_logit_scale else 1.0
+        return (scale * cos).to(images.device)
+
+
+def pickscore(*, device: str = "cpu", dtype: str | torch.dtype = "float32", model: str = "yuvalkirstain/PickScore_v1",
+              processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K") -> Reward:
+    """PickScore: exp(logit_scale) * cos, raw (about 18 .. 24)."""
+    from transformers import AutoProcessor, CLIPModel
+
+    return ClipScorer(CLIPModel.from_pretrained(model), AutoProcessor.from_pretrained(processor),
+                      use_logit_scale=True, device=device, dtype=_dtype(dtype))
+
+
+def clipscore(*, device: str = "cpu", dtype: str | torch.dtype = "float32",
+              model: str = "openai/clip-vit-large-patch14", processor: str | None = None) -> Reward:
+    """CLIPScore as cos(image, text) with CLIP ViT-L/14."""
+    from transformers import AutoProcessor, CLIPModel
+
+    return ClipScorer(CLIPModel.from_pretrained(model), AutoProcessor.from_pretrained(processor or model),
+                      use_logit_scale=False, device=device, dtype=_dtype(dtype))
+
+
+def hpsv21(*, device: str = "cpu", dtype: str | torch.dtype = "float32",
+           checkpoint: str = "xswu/HPSv2:HPS_v2.1_compressed.pt",
+           processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", vision_heads: int = 16, text_heads: int = 16) -> Reward:
+    """HPSv2.1: cos(image, text) of the HPS_v2.1 open_clip ViT-H-14, run as a transformers CLIPModel
+    (no open_clip / torchvision needed). The processor supplies the CLIP BPE tokenizer and HPSv2's
+    preprocessing (224 px bicubic, centre crop, OpenAI CLIP mean/std)."""
+    from transformers import AutoProcessor
+
+    proc = AutoProcessor.from_pretrained(processor)
+    state = torch.load(resolve_file(checkpoint), map_location="cpu", weights_only=True)
+    model = openclip_to_transformers(state.get("state_dict", state), vision_heads=vision_heads, text_heads=text_heads,
+                                     bos_token_id=proc.tokenizer.bos_token_id, eos_token_id=proc.tokenizer.eos_token_id)
+    return ClipScorer(model, proc, use_logit_scale=False, device=device, dtype=_dtype(dtype))
+
+
+_BLOCK = re.compile(r"^(visual\.)?transformer\.resblocks\.(\d+)\.(.+)$")
+_BLOCK_PARTS = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.out_proj": "self_attn.out_proj",
+                "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+_NAMES = {
+    "logit_scale": "logit_scale",
+    "visual.class_embedding": "vision_model.embeddings.class_embedding",
+    "visual.conv1.weight": "vision_model.embeddings.patch_embedding.weight",
+    "visual.positional_embedding": "vision_model.embeddings.position_embedding.weight",
+    "visual.ln_pre.weight": "vision_model.pre_layrnorm.weight",  # sic, transformers' name
+    "visual.ln_pre.bias": "vision_model.pre_layrnorm.bias",
+    "visual.ln_post.weight": "vision_model.post_layernorm.weight",
+    "visual.ln_post.bias": "vision_model.post_layernorm.bias",
+    "token_embedding.weight": "text_model.embeddings.token_embedding.weight",
+    "positional_embedding": "text_model.embeddings.position_embedding.weight",
+    "ln_final.weight": "text_model.final_layer_norm.weight",
+    "ln_final.bias": "text_model.final_layer_norm.bias",
+}
+
+
+def convert_openclip_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """open_clip CLIP key names -> transformers CLIPModel key names. Fused qkv projections are split,
+    the (in, out) projection matrices transposed into Linear weights; unknown keys are kept as they
+    are so that loading reports them."""
+    out = {}
+    for key, value in state.items():
+        key = key.removeprefix("module.")  # checkpoints saved from DistributedDataParallel
+        if key.endswith("attn_mask"):  # a causal-mask buffer in older open_clip, not a weight
+            continue
+        block = _BLOCK.match(key)
+        if key in ("visual.proj", "text_projection"):
+            out[{"visual.proj": "visual_projection.weight", "text_projection": "text_projection.weight"}[key]] = value.T
+        elif key in _NAMES:
+            out[_NAMES[key]] = value
+        elif block:
+            tower, i, rest = "vision_model" if block.group(1) else "text_model", block.group(2), block.group(3)
+            prefix = f"{tower}.encoder.layers.{i}."
+            if rest.startswith("attn.in_proj_"):
+                kind = rest.removeprefix("attn.in_proj_")  # weight or bias, (3 * width, ...)
+                for name, part in zip("qkv", value.chunk(3, dim=0)):
+                    out[f"{prefix}self_attn.{name}_proj.{kind}"] = part
+            else:
+                module, _, param = rest.rpartition(".")
+                out[prefix + f"{_BLOCK_PARTS.get(module, module)}.{param}"] = value
+        else:
+            out[key] = value
+    return out
+
+
+def openclip_to_transformers(state: dict[str, torch.Tensor], *, vision_heads: int, text_heads: int,
+                             bos_token_id: int = 49406, eos_token_id: int = 49407) -> nn.Module:
+    """Build a transformers CLIPModel from an open_clip CLIP state dict; sizes are read off the
+    weights, head counts (not visible in the shapes) are arguments. Fails on any missing or
+    unexpected key."""
+    from transformers import CLIPConfig, CLIPModel
+
+    sd = convert_openclip_state_dict(state)
+
+    def layers(tower: str) -> int:
+        return 1 + max(int(k.split(".")[3]) for k in sd if k.startswith(f"{tower}.encoder.layers."))
+
+    patch = sd["vision_model.embeddings.patch_embedding.weight"]
+    grid = math.isqrt(sd["vision_model.embeddings.position_embedding.weight"].shape[0] - 1)
+    text_pos = sd["text_model.embeddings.position_embedding.weight"]
+    config = CLIPConfig(
+        text_config=dict(vocab_size=sd["text_model.embeddings.token_embedding.weight"].shape[0],
+                         hidden_size=text_pos.shape[1], max_position_embeddings=text_pos.shape[0],
+                         intermediate_size=sd["text_model.encoder.layers.0.mlp.fc1.weight"].shape[0],
+                         num_hidden_layers=layers("text_model"), num_attention_heads=text_heads, hidden_act="gelu",
+                         bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=eos_token_id),
+        vision_config=dict(hidden_size=patch.shape[0], patch_size=patch.shape[-1], image_size=grid * patch.shape[-1],
+                           intermediate_size=sd["vision_model.encoder.layers.0.mlp.fc1.weight"].shape[0],
+                           num_hidden_layers=layers("vision_model"), num_attention_heads=vision_heads, hidden_act="gelu"),
+        projection_dim=sd["text_projection.weight"].shape[0],
+    )
+    model = CLIPModel(config)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"open_clip checkpoint does not match a CLIP model: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+class AestheticHead(nn.Module):
+    """The LAION improved aesthetic predictor head (a linear MLP; key names as in its .pth)."""
+
+    def __init__(self, dim: int = 768):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(dim, 1024), nn.Dropout(0.2), nn.Linear(1024, 128), nn.Dropout(0.2),
+                                    nn.Linear(128, 64), nn.Dropout(0.1), nn.Linear(64, 16), nn.Linear(16, 1))
+
+    def forward(self, embedding: torch.Tensor) -> torch.Tensor:
+        return self.layers(embedding).squeeze(-1)
+
+
+def aesthetic(*, device: str = "cpu", dtype: str | torch.dtype = "float32", clip: str = "openai/clip-vit-large-patch14",
+              head: str = "camenduru/improved-aesthetic-predictor:sac+logos+ava1-l14-linearMSE.pth") -> Reward:
+    """LAION aesthetic score (1 .. 10): the MLP head on the unit-norm CLIP ViT-L/14 image embedding."""
+    from transformers import AutoProcessor, CLIPModel
+
+    scorer = ClipScorer(CLIPModel.from_pretrained(clip), AutoProcessor.from_pretrained(clip),
+                        use_logit_scale=False, device=device, dtype=_dtype(dtype))
+    mlp = AestheticHead(scorer.model.config.projection_dim)
+    path = resolve_file(head)
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        mlp.load_state_dict(load_file(path))
+    else:
+        mlp.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    mlp = mlp.to(device).eval().requires_grad_(False)
+
+    @torch.no_grad()
+    def reward(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        return mlp(scorer.embed_images(images)).to(images.device)
+
+    return reward
+
+
+def imagereward(*, device: str = "cpu", model: str = "ImageReward-v1.0") -> Reward:
+    """ImageReward (BLIP-based), from the optional package image-reward."""
+    try:
+        import ImageReward as RM
+    except ImportError as error:
+        raise ImportError("the imagereward reward needs the optional package image-reward: "
+                          "pip install image-reward (it brings torchvision and timm; install it next to a "
+                          "CUDA torch, or serve it from another environment with `python rewards.py serve`)") from error
+    rm = RM.load(model, device=device).eval()
+
+    @torch.no_grad()
+    def reward(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        scores = [float(rm.score(p, image)) for p, image in zip(prompts, to_pil(images))]
+        return torch.tensor(scores, dtype=torch.float32, device=images.device)
+
+    return reward
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP: rewards served by another process (OCR, GenEval, UnifiedReward, or any reward here)
+
+
+def encode_png(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def decode_png(data: str) -> torch.Tensor:
+    """base64 PNG -> (3, H, W) float in [0, 1]."""
+    from PIL import Image
+
+    array = np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+    return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
+
+
+class HttpReward:
+    """Client of a reward server speaking the protocol in this file's docstring."""
+
+    def __init__(self, url: str, *, timeout: float = 300.0, retries: int = 3, backoff: float = 1.0):
+        self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        body = json.dumps({"images": [encode_png(a) for a in to_uint8(images)], "prompts": list(prompts),
+                           "metadata": None if metadata is None else list(metadata)}).encode()
+        return self._parse(self._post(body), len(prompts)).to(images.device)
+
+    def _post(self, body: bytes) -> bytes:
+        """POST with bounded retries and exponential backoff on connection errors and 5xx answers."""
+        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        last = None
+        for attempt in range(self.retries):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return response.read()
+            except urllib.error.HTTPError as error:  # the server answered with an error
+                detail = error.read().decode(errors="replace")[:500]
+                if error.code < 500:
+                    raise RuntimeError(f"reward server {self.url} rejected the request ({error.code}): {detail}") from None
+                last = f"HTTP {error.code}: {detail}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
+                last = getattr(error, "reason", error)
+        raise ConnectionError(f"reward server {self.url} gave no answer after {self.retries} attempts (last error: "
+                              f"{last}). Is it running? Start one with `python rewards.py serve NAME --port PORT`.")
+
+    def _parse(self, payload: bytes, n: int) -> torch.Tensor:
+        try:
+            scores = json.loads(payload)["scores"]
+            ok = len(scores) == n and all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
+                                          for s in scores)
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(f"malformed response from reward server {self.url}: expected "
+                             f'{{"scores": [{n} finite numbers]}}, got {payload[:200]!r}')
+        return torch.tensor(scores, dtype=torch.float32)
+
+
+def http(*, device: str = "cpu", url: str = "http://127.0.0.1:8000", timeout: float = 300.0, retries: int = 3) -> Reward:
+    """Any reward behind the HTTP protocol. (device: unused, the server owns the model.)"""
+    return HttpReward(url, timeout=timeout, retries=retries)
+
+
+def _http_default(port: int, what: str) -> Callable[..., Reward]:
+    def factory(*, device: str = "cpu", url: str = f"http://127.0.0.1:{port}", timeout: float = 300.0,
+                retries: int = 3) -> Reward:
+        return HttpReward(url, timeout=timeout, retries=retries)
+
+    factory.__doc__ = f"{what}, served over HTTP (default http://127.0.0.1:{port}). (device: unused.)"
+    return factory
+
+
+def serve(reward: Reward, name: str, *, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve `reward` over the HTTP protocol until interrupted (one request at a time: models are not
+    assumed thread-safe)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._answer(200, {"status": "ok", "reward": name})
+
+        def do_POST(self):
+            try:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                images = torch.stack([decode_png(data) for data in request["images"]])
+                scores = reward(images, request["prompts"], request.get("metadata"))
+            except (KeyError, ValueError, TypeError) as error:  # the client's fault: say what was wrong
+                self._answer(400, {"error": f"{type(error).__name__}: {error}"})
+                return
+            except Exception as error:  # the reward's fault: report it, keep serving
+                self._answer(500, {"error": f"{type(error).__name__}: {error}"})
+                return
+            self._answer(200, {"scores": scores.float().cpu().tolist()})
+
+        def _answer(self, code: int, obj: dict) -> None:
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # quiet: errors go back to the client instead
+            pass
+
+    server = HTTPServer((host, port), Handler)
+    print(f"serving reward {name!r} on http://{host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+
+
+# ----------------------------------------------------------------------------------------------
+# Registry
+
+REWARDS: dict[str, Callable[..., Reward]] = {
+    "color": color,
+    "jpeg_compressibility": jpeg_compressibility,
+    "jpeg_incompressibility": jpeg_incompressibility,
+    "pickscore": pickscore,
+    "clipscore": clipscore,
+    "hpsv21": hpsv21,
+    "aesthetic": aesthetic,
+    "imagereward": imagereward,
+    "ocr": _http_default(18081, "OCR accuracy (1 - normalised edit distance, e.g. PaddleOCR)"),
+    "geneval": _http_default(18082, "GenEval (object detector; needs the prompt metadata)"),
+    "unifiedreward": _http_default(18083, "UnifiedReward (a VLM judge)"),
+    "http": http,
+}
+
+
+def parse_reward_spec(spec: str) -> dict[str, float]:
+    """'pickscore:1,hpsv21:0.5,clipscore' -> {'pickscore': 1.0, 'hpsv21': 0.5, 'clipscore': 1.0}."""
+    weights = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, weight = item.partition(":")
+        if name not in REWARDS:
+            raise ValueError(f"unknown reward {name!r} in {spec!r}; choose from {', '.join(REWARDS)}")
+        try:
+            weights[name] = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"reward weight {weight!r} for {name!r} is not a number (write name:weight)") from None
+    if not weights:
+        raise ValueError(f"no reward named in {spec!r}; write e.g. 'pickscore:1,hpsv21:1'")
+    return weights
+
+
+def load_reward(name: str, *, device: str = "cpu", **options: Any) -> Reward:
+    """Build the reward `name` from REWARDS with factory options (model ids, paths, urls...)."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; choose from {', '.join(REWARDS)}")
+    return REWARDS[name](device=device, **options)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Serve a reward of rewards.py over HTTP (protocol: module docstring).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_cmd = sub.add_parser("serve", help="serve one reward")
+    serve_cmd.add_argument("name", choices=sorted(REWARDS))
+    serve_cmd.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 keeps it local")
+    serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    serve_cmd.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                           help="factory option, e.g. --option model=/path/to/PickScore (repeatable; JSON values)")
+    args = parser.parse_args()
+    options = {}
+    for item in args.option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--option {item!r} must look like KEY=VALUE")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value  # a bare string such as a path
+    serve(load_reward(args.name, device=args.device, **options), args.name, host=args.host, port=args.port)
+
+
+if __name__ == "__main__":
+    main()

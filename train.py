@@ -1,0 +1,919 @@
+"""train.py: V-GRPO for diffusers flow-matching models (SD3 / SD3.5, FLUX.1), one process or torchrun + FSDP2.
+
+Algorithm 1 of Tang et al., "Online Reinforcement Learning for Denoising Generative Models Is
+Easier than You Think" (arXiv 2604.23380); every equation lives in vgrpo.py, this file is the driver.
+
+    python train.py                                   # tiny SD3-family model built from configs: CPU, offline, minutes
+    python train.py --model DIR_OR_HUB_ID --prompts prompts.txt --rewards pickscore:1,hpsv21:1
+    torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic.txt   # paper: SD3.5-M stage 1
+    torchrun --nproc_per_node=8 train.py --preset flux --prompts hpdv2.txt       # paper: FLUX.1-dev
+    torchrun --nproc_per_node=8 train.py --resume runs/NAME                     # continue from the last checkpoint
+    python train.py --help                            # every option, with its default
+
+Data parallelism: the num_prompts groups of an iteration are split over the ranks as WHOLE groups, so
+a group's G samples and its shared (t, eps) pairs live on one rank. Rewards are all-gathered before
+the advantages, which are computed for the global batch on every rank (global std, logging).
+
+Choices beyond vgrpo.py's: rollouts integrate the ODE with vgrpo.sample_ode on the pipeline's
+shifted sigma grid linspace(1, 0, steps + 1) (solver "euler" is exactly the FlowMatchEuler step;
+SD3's own pipeline grid would stop at t = 1/1000 instead of 1/steps); the transformer stays in eval
+mode (no dropout), so the old-policy pass and the first gradient pass agree exactly.
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import resource
+import shutil
+import signal
+import sys
+import time
+import types
+import typing
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import rewards
+import vgrpo
+
+# torch.distributed.checkpoint warns on every save/load without a process group; one process is intended here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def arg(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # --- model and data
+    preset: str = arg("tiny", "tiny | sd35m | flux: paper settings applied before the other flags")
+    model: str = arg("tiny", "diffusers pipeline dir or hub id (SD3/SD3.5 or FLUX.1); tiny | tiny-flux build a random tiny one")
+    prompts: str = arg("", "training prompts: .txt (one per line) or .jsonl ({'prompt': ..., metadata}); tiny models have built-ins")
+    eval_prompts: str = arg("", "fixed evaluation prompts, same formats; default: the first 8 training prompts")
+    resolution: int = arg(32, "image height and width in pixels")
+    max_sequence_length: int = arg(8, "T5 tokens per prompt")
+    tiny_fit_steps: int = arg(250, "tiny models only: steps fitting them to toy images before RL (0 = random weights)")
+    # --- rewards
+    rewards: str = arg("color", "name:weight,... from rewards.REWARDS, e.g. hpsv21:1,pickscore:1,clipscore:1")
+    reward_options: str = arg("{}", "JSON {reward_name: {factory option: value}}, e.g. '{\"pickscore\": {\"model\": \"/ckpt\"}}'")
+    reward_aggregation: str = arg("advantage", "advantage: sum of per-reward advantages (MixGRPO) | reward: advantage of the weighted sum")
+    # --- rollouts
+    sampling_steps: int = arg(8, "ODE steps per rollout")
+    solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step)")
+    cfg_scale: float = arg(1.0, "SD3 classifier-free guidance for rollouts only; 1 = off, as in the paper")
+    flux_guidance: float = arg(3.5, "FLUX.1-dev distilled-guidance embedding value")
+    # --- V-GRPO (names as in vgrpo.py)
+    num_prompts: int = arg(8, "prompts (groups) per iteration, global")
+    group_size: int = arg(8, "G: samples per prompt")
+    num_mc: int = arg(4, "K: (t, eps) pairs per sample")
+    t_min: float = arg(0.0, "lower end of the surrogate's timestep range")
+    t_max: float = arg(1.0, "upper end of the surrogate's timestep range")
+    stratified: bool = arg(True, "one timestep in each of K equal strata (variance reduction 2)")
+    group_shared: bool = arg(True, "one set of pairs per group (variance reduction 1)")
+    param: str = arg("x", "surrogate error: x (paper) | v | eps")
+    self_normalize: bool = arg(True, "divide by the stop-gradient mean |e| (variance reduction 3)")
+    global_std: bool = arg(False, "normalise advantages by the batch std instead of each group's")
+    soft_clip_eta: float | None = arg(3.0, "advantage soft clip eta * tanh(A / eta); none = off")
+    clip_eps: float | None = arg(None, "PPO ratio clip epsilon (acts when num_grad_steps > 1); none = off")
+    kl_coef: float = arg(0.0, "weight of the x-space KL to the behaviour policy (Eq. 16)")
+    num_grad_steps: int = arg(1, "optimizer steps per rollout batch (1 = fully on-policy)")
+    # --- optimisation
+    iterations: int = arg(40, "training iterations")
+    lr: float = arg(1e-3, "AdamW learning rate")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip")
+    lora_rank: int = arg(32, "LoRA rank on the attention projections; 0 = full fine-tuning")
+    lora_alpha: int = arg(64, "LoRA alpha")
+    lora_targets: str = arg("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out", "LoRA target modules")
+    # --- systems
+    micro_batch_size: int = arg(4, "samples per forward/backward in the gradient steps (per rank)")
+    rollout_batch_size: int = arg(32, "samples per sampling / decoding / reward call (per rank)")
+    dtype: str = arg("auto", "compute dtype: auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
+    grad_checkpointing: bool = arg(False, "activation checkpointing in the transformer")
+    seed: int = arg(0, "base seed; see the seeding rules in train()")
+    run_dir: str = arg("", "output directory; default runs/<preset>-<time>")
+    resume: str = arg("", "run directory to continue from its last checkpoint (its config.json is the base)")
+    log_every: int = arg(1, "iterations between metric lines")
+    eval_every: int = arg(10, "iterations between evaluations on the fixed prompts (0 = never)")
+    save_every: int = arg(10, "iterations between checkpoints (also on SIGTERM and at the end)")
+    tracker: str = arg("none", "none | tensorboard | wandb (metrics.jsonl is always written)")
+
+
+PRESETS = {
+    "tiny": {},
+    # Paper, SD3.5-Medium stage 1 (preference): fully on-policy, soft clip only.
+    "sd35m": dict(model="stabilityai/stable-diffusion-3.5-medium", resolution=512, max_sequence_length=256,
+                  rewards="hpsv21:1,pickscore:1,clipscore:1", num_prompts=48, group_size=24, sampling_steps=40,
+                  solver="euler", num_mc=4, num_grad_steps=1, soft_clip_eta=3.0, clip_eps=None, lr=3e-4,
+                  lora_rank=32, lora_alpha=64, iterations=150, micro_batch_size=8, rollout_batch_size=24),
+    # Paper, FLUX.1-dev: 16-step higher-order ODE, ratio clip (+ soft clip). Group size, batch, the number of
+    # gradient steps and the optimiser are not in the paper's text we have: inferred, see README.
+    "flux": dict(model="black-forest-labs/FLUX.1-dev", resolution=720, max_sequence_length=512,
+                 rewards="hpsv21:1,pickscore:1,imagereward:1", num_prompts=32, group_size=12, sampling_steps=16,
+                 solver="ab2", num_mc=4, num_grad_steps=2, clip_eps=0.01, soft_clip_eta=3.0, lr=1e-4,
+                 lora_rank=32, lora_alpha=64, iterations=300, micro_batch_size=2, rollout_batch_size=12,
+                 grad_checkpointing=True),
+}
+TINY_MODELS = {"tiny": "sd3", "tiny-flux": "flux"}
+PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+
+
+class ConfigError(ValueError):
+    """Bad input, reported as one line before any model is loaded."""
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Defaults < preset < the resumed run's config.json < flags given on the command line."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    hints = typing.get_type_hints(Config)
+    for f in fields(Config):
+        kind = hints[f.name]
+        common = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default: {f.default})")
+        if kind is bool:
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **common)
+        elif isinstance(kind, types.UnionType):  # float | None: the word "none" turns it off
+            base = next(a for a in kind.__args__ if a is not type(None))
+            parser.add_argument(f"--{f.name}", type=lambda s, b=base: None if s.lower() == "none" else b(s), **common)
+        else:
+            parser.add_argument(f"--{f.name}", type=kind, **common)
+    given = vars(parser.parse_args(argv))
+    preset = given.get("preset", Config.preset)
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+    values = dict(PRESETS[preset])
+    if given.get("resume"):
+        saved = Path(given["resume"]) / "config.json"
+        if not saved.is_file():
+            raise ConfigError(f"--resume {given['resume']}: no config.json there; pass the directory of an earlier run")
+        values.update(json.loads(saved.read_text()))
+        values["run_dir"] = given["resume"]
+    values.update(given)
+    return Config(**values)
+
+
+def validate(cfg: Config, world_size: int) -> str:
+    """Checks everything that can be checked without loading a model. Returns the model family."""
+    choices = dict(solver=("euler", "heun", "ab2"), param=vgrpo.PARAMETERISATIONS, tracker=("none", "tensorboard", "wandb"),
+                   reward_aggregation=("advantage", "reward"), dtype=("auto", "bfloat16", "float32"))
+    for name, allowed in choices.items():
+        if getattr(cfg, name) not in allowed:
+            raise ConfigError(f"--{name} {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
+    if cfg.group_size < 2:
+        raise ConfigError(f"--group_size {cfg.group_size}: GRPO needs at least 2 samples per prompt")
+    if cfg.num_prompts % world_size:
+        raise ConfigError(f"--num_prompts {cfg.num_prompts} must be divisible by the world size {world_size}: "
+                          "each rank holds whole groups")
+    local = cfg.num_prompts // world_size * cfg.group_size
+    if local % cfg.num_grad_steps or (local // cfg.num_grad_steps) % cfg.micro_batch_size:
+        raise ConfigError(f"{local} samples per rank (num_prompts {cfg.num_prompts} x group_size {cfg.group_size} / "
+                          f"{world_size} ranks) must split into --num_grad_steps {cfg.num_grad_steps} mini-batches "
+                          f"of whole --micro_batch_size {cfg.micro_batch_size} micro-batches")
+    if not (cfg.num_mc >= 1 and 0 <= cfg.t_min < cfg.t_max <= 1):
+        raise ConfigError(f"need --num_mc >= 1 and 0 <= --t_min < --t_max <= 1, got {cfg.num_mc}, {cfg.t_min}, {cfg.t_max}")
+    weights = rewards.parse_reward_spec(cfg.rewards) if cfg.rewards else {}
+    if not weights:
+        raise ConfigError("--rewards is empty; name at least one, e.g. --rewards pickscore:1")
+    try:
+        options = json.loads(cfg.reward_options)
+    except ValueError as error:
+        raise ConfigError(f"--reward_options is not valid JSON: {error}") from None
+    if not isinstance(options, dict) or not set(options) <= set(weights):
+        raise ConfigError(f"--reward_options must map names from --rewards ({', '.join(weights)}) to option dicts")
+    if cfg.resume and not (Path(cfg.resume) / "checkpoints" / "latest").is_file():
+        raise ConfigError(f"--resume {cfg.resume}: no checkpoint there yet (checkpoints/latest is missing)")
+    family = model_family(cfg.model)
+    if family == "flux" and cfg.cfg_scale != 1.0:
+        raise ConfigError("--cfg_scale applies to SD3 only; FLUX.1-dev uses --flux_guidance")
+    if not cfg.prompts and cfg.model not in TINY_MODELS:
+        raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
+    return family
+
+
+def model_family(model: str) -> str:
+    if model in TINY_MODELS:
+        return TINY_MODELS[model]
+    if os.path.isdir(model):
+        index = Path(model) / "model_index.json"
+        if not index.is_file():
+            raise ConfigError(f"--model {model}: no model_index.json there; pass a diffusers pipeline directory")
+        class_name = json.loads(index.read_text())["_class_name"]
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        from diffusers import DiffusionPipeline
+
+        try:
+            class_name = DiffusionPipeline.load_config(model)["_class_name"]
+        except Exception as error:
+            raise ConfigError(f"--model {model}: cannot read its model_index.json from the hub ({type(error).__name__})") from None
+    else:
+        raise ConfigError(f"--model {model!r} is neither a directory, a hub id (org/name) nor one of {', '.join(TINY_MODELS)}")
+    if class_name not in PIPELINE_FAMILIES:
+        raise ConfigError(f"--model {model}: {class_name} is not supported; use {' or '.join(PIPELINE_FAMILIES)}")
+    return PIPELINE_FAMILIES[class_name]
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompts
+
+
+@dataclass
+class Prompt:
+    text: str
+    metadata: dict
+
+
+def load_prompts(path: str) -> list[Prompt]:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"prompt file {path} does not exist")
+    prompts = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if file.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+                prompts.append(Prompt(record["prompt"], record))
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(f"{path}:{number}: expected a JSON object with a 'prompt' field") from None
+        else:
+            prompts.append(Prompt(line.strip(), {}))
+    if not prompts:
+        raise ConfigError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def prompts_for_iteration(num_available: int, num_prompts: int, seed: int, iteration: int) -> list[int]:
+    """Prompt indices of an iteration: consecutive slices of one shuffled epoch after another. A pure
+    function of (seed, iteration), so the sampler's position is the iteration number itself."""
+    indices = []
+    for k in range(iteration * num_prompts, (iteration + 1) * num_prompts):
+        epoch, offset = divmod(k, num_available)
+        order = torch.randperm(num_available, generator=generator(seed, "prompts", epoch))
+        indices.append(order[offset].item())
+    return indices
+
+
+def generator(seed: int, *keys: int | str) -> torch.Generator:
+    """A CPU generator seeded by (seed, *keys): streams are independent and need no state to resume."""
+    words = [seed] + [k if isinstance(k, int) else int.from_bytes(k.encode(), "little") % 2**32 for k in keys]
+    return torch.Generator().manual_seed(int(np.random.SeedSequence(words).generate_state(1)[0]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Model adapters: everything family-specific sits behind encode / velocity / decode / timesteps
+
+
+class SD3:
+    """StableDiffusion3Pipeline (SD3, SD3.5): latents (B, C, H/8, W/8); timestep in [0, 1000]."""
+
+    pipeline_class = "StableDiffusion3Pipeline"
+
+    def __init__(self, pipe, cfg: Config, dtype: torch.dtype):
+        self.pipe, self.transformer, self.cfg, self.dtype = pipe, pipe.transformer, cfg, dtype
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict:
+        """Frozen text encoders: prompts -> batch-first conditioning {embeds (B, L, D), pooled (B, D')}."""
+        embeds, _, pooled, _ = self.pipe.encode_prompt(texts, texts, texts, device=self.pipe.text_encoder.device,
+                                                       do_classifier_free_guidance=False,
+                                                       max_sequence_length=self.cfg.max_sequence_length)
+        return {"embeds": embeds.float(), "pooled": pooled.float()}
+
+    def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        with autocast(z.device, self.dtype):
+            return self.transformer(hidden_states=z, timestep=t * 1000, encoder_hidden_states=cond["embeds"],
+                                    pooled_projections=cond["pooled"], return_dict=False)[0].float()
+
+    def latent_shape(self) -> tuple[int, ...]:
+        size = self.cfg.resolution // self.pipe.vae_scale_factor
+        return self.transformer.config.in_channels, size, size
+
+    def timesteps(self) -> torch.Tensor:
+        return vgrpo.flow_timesteps(self.cfg.sampling_steps, shift=self.pipe.scheduler.config.shift)
+
+    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents -> images (B, 3, H, W) in [0, 1]."""
+        vae = self.pipe.vae
+        latents = self.to_vae_latents(x) / vae.config.scaling_factor + vae.config.shift_factor
+        return (vae.decode(latents.to(vae.dtype), return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+
+
+class Flux(SD3):
+    """FluxPipeline (FLUX.1): latents packed in 2x2 patches (B, H/16 * W/16, 4C), position ids, guidance
+    embedding; timestep in [0, 1]; time shift exp(mu), mu growing with the number of image tokens."""
+
+    pipeline_class = "FluxPipeline"
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict:
+        embeds, pooled, _ = self.pipe.encode_prompt(texts, texts, device=self.pipe.text_encoder.device,
+                                                    max_sequence_length=self.cfg.max_sequence_length)
+        return {"embeds": embeds.float(), "pooled": pooled.float()}
+
+    def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        h = w = self._grid()
+        img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h), torch.arange(w), indexing="ij"), -1)
+        txt_ids = torch.zeros(cond["embeds"].shape[1], 3)
+        guidance = torch.full((z.shape[0],), self.cfg.flux_guidance, device=z.device)
+        with autocast(z.device, self.dtype):
+            return self.transformer(hidden_states=z, timestep=t, guidance=guidance, encoder_hidden_states=cond["embeds"],
+                                    pooled_projections=cond["pooled"], img_ids=img_ids.view(-1, 3).to(z.device),
+                                    txt_ids=txt_ids.to(z.device), return_dict=False)[0].float()
+
+    def _grid(self) -> int:
+        return self.cfg.resolution // self.pipe.vae_scale_factor // 2
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return self._grid() ** 2, self.transformer.config.in_channels
+
+    def timesteps(self) -> torch.Tensor:
+        sc = self.pipe.scheduler.config
+        slope = (sc.max_shift - sc.base_shift) / (sc.max_image_seq_len - sc.base_image_seq_len)
+        mu = sc.base_shift + slope * (self._grid() ** 2 - sc.base_image_seq_len)
+        return vgrpo.flow_timesteps(self.cfg.sampling_steps, shift=math.exp(mu))
+
+    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, h*w, C*4) -> (B, C, 2h, 2w): undo the 2x2 patch packing."""
+        B, g, c = x.shape[0], self._grid(), x.shape[-1] // 4
+        return x.view(B, g, g, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, c, 2 * g, 2 * g)
+
+    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, 2h, 2w) -> (B, h*w, C*4): FLUX's 2x2 patch packing."""
+        B, c, g = x.shape[0], x.shape[1], x.shape[-1] // 2
+        return x.view(B, c, g, 2, g, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, c * 4)
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype) -> SD3:
+    import diffusers
+
+    adapter = {"sd3": SD3, "flux": Flux}[family]
+    if cfg.model in TINY_MODELS:
+        pipe = tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps)
+    else:
+        pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, torch_dtype=dtype)
+    # Frozen parts (VAE, text encoders) run replicated on every rank: they are not sharded and not trained.
+    for name, module in pipe.components.items():
+        if isinstance(module, torch.nn.Module):
+            module.to(device).eval().requires_grad_(False)
+            if name != "transformer" and module.dtype != dtype:  # tiny models are built in float32
+                module.to(dtype)
+    if cfg.lora_rank == 0:
+        pipe.transformer.float()  # full fine-tuning keeps fp32 master weights; compute runs in `dtype`
+    return adapter(pipe, cfg, dtype)
+
+
+def apply_fsdp(transformer: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The FSDP2 recipe: shard each transformer block, then the root (which keeps the embeddings and
+    the output layer). Parameters are gathered in `dtype` for compute, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for name in ("transformer_blocks", "single_transformer_blocks"):  # SD3 has the first, FLUX both
+        for block in getattr(transformer, name, []):
+            fully_shard(block, mp_policy=policy)
+    fully_shard(transformer, mp_policy=policy)
+
+
+def guided(velocity, uncond: dict, scale: float):
+    """Classifier-free guidance for rollouts: v_u + scale (v_c - v_u), one batched forward."""
+
+    def v(z, t, cond):
+        both = {k: torch.cat([uncond[k].expand_as(cond[k]), cond[k]]) for k in cond}
+        v_u, v_c = velocity(torch.cat([z, z]), torch.cat([t, t]), both).chunk(2)
+        return v_u + scale * (v_c - v_u)
+
+    return v
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed helpers
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """Rank, world size and device; initialises the process group under torchrun (nccl on GPU, gloo on CPU)."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate x along dim 0 over ranks in rank order (identity in one process)."""
+    if not dist.is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Average over ranks; min/max for keys ending _min/_max."""
+    if not dist.is_initialized():
+        return metrics
+    out = {}
+    for key, value in metrics.items():
+        x = torch.tensor(value, dtype=torch.float64, device=device)
+        op = dist.ReduceOp.MIN if key.endswith("_min") else dist.ReduceOp.MAX if key.endswith("_max") else dist.ReduceOp.SUM
+        dist.all_reduce(x, op=op)
+        out[key] = x.item() / (dist.get_world_size() if op == dist.ReduceOp.SUM else 1)
+    return out
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: torch.distributed.checkpoint (sharded), written to a temp dir then renamed
+
+
+def state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)  # LoRA: the frozen base is reloaded from --model
+
+
+def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = run_dir / "checkpoints"
+    tmp, final = root / f".tmp-{iteration:06d}", root / f"iter-{iteration:06d}"
+    model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               tmp / f"rng-rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / "state.json").write_text(json.dumps({"iteration": iteration}))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")  # the pointer moves only once the checkpoint is whole
+        for old in root.glob("iter-*"):
+            if old != final:
+                shutil.rmtree(old)
+    barrier()
+
+
+def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
+    """Restores model, optimizer and RNG states; returns the iteration to continue from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=state_options())
+    rng = torch.load(path / f"rng-rank{rank}.pt")
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((path / "state.json").read_text())["iteration"] + 1
+
+
+def export_final(out: Path, model: SD3, lora: bool, rank: int) -> None:
+    """LoRA in the diffusers LoRA format (pipe.load_lora_weights) or the full transformer
+    (from_pretrained), gathered from the shards onto rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model.transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    if lora:
+        from peft.utils import get_peft_model_state_dict
+
+        layers = get_peft_model_state_dict(model.transformer, state_dict=full)
+        type(model.pipe).save_lora_weights(out, transformer_lora_layers=layers)
+    else:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        model.transformer.save_config(out / "transformer")
+        save_file({k: v.contiguous() for k, v in full.items()}, out / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+# ----------------------------------------------------------------------------------------------
+# Logging
+
+
+class Tracker:
+    """metrics.jsonl always; tensorboard or wandb when asked; rank 0 only (others get a no-op)."""
+
+    def __init__(self, run_dir: Path, cfg: Config, active: bool):
+        self.active, self.backend = active, None
+        if not active:
+            return
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        if cfg.tracker == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.backend = SummaryWriter(str(run_dir / "tensorboard"))
+        elif cfg.tracker == "wandb":
+            import wandb
+
+            self.backend = wandb.init(project="v-grpo", dir=str(run_dir), config=asdict(cfg), resume="allow")
+
+    def log(self, iteration: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        self.file.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        self.file.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if hasattr(self.backend, "add_scalar"):
+            for k, v in scalars.items():
+                self.backend.add_scalar(k, v, iteration)
+        elif self.backend is not None:
+            self.backend.log(scalars, step=iteration)
+
+
+def save_grid(images: torch.Tensor, path: Path) -> None:
+    """(B, 3, H, W) in [0, 1] -> one PNG, rows of up to 8."""
+    from PIL import Image
+
+    n, cols = images.shape[0], min(8, images.shape[0])
+    rows = math.ceil(n / cols)
+    pad = torch.zeros(rows * cols - n, *images.shape[1:], device=images.device)
+    grid = torch.cat([images, pad]).view(rows, cols, *images.shape[1:]).permute(0, 3, 1, 4, 2).flatten(2, 3).flatten(0, 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rewards.to_uint8(grid.permute(2, 0, 1)[None])[0]).save(path)
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------------------
+# Rollouts and scoring (shared by training and evaluation)
+
+
+def rollout(cfg: Config, model: SD3, velocity, prompts: list[Prompt], noise: torch.Tensor, reward_fns: dict):
+    """Sample, decode and score B samples (one prompt each) in chunks of rollout_batch_size; images
+    are dropped after scoring. Returns final latents (B, ...), text conditioning (B, ...) and rewards
+    {name: (B,)}."""
+    x0, conds, scores = [], [], {name: [] for name in reward_fns}
+    for start in range(0, len(prompts), cfg.rollout_batch_size):
+        chunk = prompts[start:start + cfg.rollout_batch_size]
+        texts, metadata = [p.text for p in chunk], [p.metadata for p in chunk]
+        cond = model.encode(texts)
+        with torch.no_grad():
+            x = vgrpo.sample_ode(velocity, noise[start:start + len(chunk)], cond, model.timesteps(), solver=cfg.solver)
+            images = model.decode(x)
+            for name, fn in reward_fns.items():
+                scores[name].append(fn(images, texts, metadata).float())
+        x0.append(x)
+        conds.append(cond)
+    cond = {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
+    return torch.cat(x0), cond, {k: torch.cat(v) for k, v in scores.items()}
+
+
+def initial_noise(cfg: Config, model: SD3, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
+    """Rollout noise: one generator per GLOBAL sample index, so every sample's noise differs and does
+    not depend on how samples are spread over ranks."""
+    shape = model.latent_shape()
+    return torch.stack([torch.randn(shape, generator=generator(cfg.seed, stream, iteration, i)) for i in indices]).to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: Algorithm 1
+
+
+def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Prompt]) -> None:
+    # ---------------- setup
+    rank, world, device = setup_distributed()
+    master = rank == 0
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+             "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if master:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), "run_dir": str(run_dir)}, indent=2))
+    print0 = print if master else (lambda *a, **k: None)
+
+    # Seeding rules. Identical on every rank: model init (tiny models), prompt order, the (t, eps) pairs of
+    # group g (seeded by (seed, iteration, g)). Different for every sample: rollout noise (seeded by
+    # (seed, iteration, global sample index)). None of these depends on the world size, so 1 and N processes
+    # train on the same data. The global torch RNG (unused by the algorithm) gets seed + rank.
+    torch.manual_seed(cfg.seed + rank)
+
+    weights = rewards.parse_reward_spec(cfg.rewards)
+    options = json.loads(cfg.reward_options)
+    reward_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {})) for name in weights}
+    model = load_pipeline(cfg, family, device, dtype)
+    transformer = model.transformer
+    if cfg.lora_rank:
+        from peft import LoraConfig
+
+        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                                           target_modules=cfg.lora_targets.split(",")))
+    else:
+        transformer.requires_grad_(True)
+    if cfg.grad_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    if world > 1:
+        apply_fsdp(transformer, dtype)
+    trainable = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start = load_checkpoint(run_dir, transformer, optimizer, rank) if cfg.resume else 0
+    print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}, "
+           f"{dtype}, run dir {run_dir}" + (f", resuming at iteration {start}" if start else ""))
+
+    P, G, K = cfg.num_prompts, cfg.group_size, cfg.num_mc
+    P_local = P // world
+    groups = range(rank * P_local, (rank + 1) * P_local)  # this rank's groups, in global numbering
+    rollout_velocity = model.velocity
+    if cfg.cfg_scale != 1.0:
+        rollout_velocity = guided(model.velocity, model.encode([""]), cfg.cfg_scale)
+    # One surrogate function for theta_old and theta: same parameterisation, same weighting.
+    surrogate = partial(vgrpo.elbo_surrogate, model.velocity, param=cfg.param, self_normalize=cfg.self_normalize,
+                        chunk_size=cfg.micro_batch_size * K)
+    nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
+    tracker = Tracker(run_dir, cfg, master)
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    history = []
+
+    bar = tqdm(range(start, cfg.iterations), disable=not master, desc="V-GRPO", dynamic_ncols=True)
+    for it in bar:
+        timer = {"start": time.perf_counter()}
+        # ---------------- 1. theta_old <- theta: the weights as they are now; nothing to copy.
+        # ---------------- 2. rollouts: G samples of each of this rank's prompts, distinct noise each
+        chosen = prompts_for_iteration(len(prompts), P, cfg.seed, it)
+        batch = [prompts[chosen[g]] for g in groups for _ in range(G)]  # (P_local * G,) group-major
+        noise = initial_noise(cfg, model, "rollout", it, range(groups[0] * G, (groups[-1] + 1) * G), device)
+        x0, cond, scores = rollout(cfg, model, rollout_velocity, batch, noise, reward_fns)
+        timer["rollout"] = time.perf_counter()
+        # ---------------- 3. group-shared, stratified (t, eps) pairs: drawn once, reused below
+        pairs = [vgrpo.draw_mc_pairs(1, G, K, x0.shape[1:], generator=generator(cfg.seed, "pairs", it, g), t_min=cfg.t_min,
+                                     t_max=cfg.t_max, stratified=cfg.stratified, group_shared=cfg.group_shared)
+                 for g in groups]
+        t, eps = torch.cat([p[0] for p in pairs]).to(device), torch.cat([p[1] for p in pairs]).to(device)
+        # ---------------- 4. advantages over the global batch: rewards gathered to (P, G) on every rank
+        global_scores = {name: all_gather(s.view(P_local, G)) for name, s in scores.items()}
+        adv = vgrpo.multi_reward_advantages(global_scores, weights, aggregation=cfg.reward_aggregation,
+                                            global_std=cfg.global_std)
+        adv = vgrpo.soft_clip(adv, eta=cfg.soft_clip_eta)  # (P, G)
+        local_adv = adv[groups[0]:groups[-1] + 1].flatten()
+        timer["reward"] = time.perf_counter()
+        # ---------------- 5. old-policy surrogate on the stored pairs
+        with torch.no_grad():
+            s_old, x_old = surrogate(x0, cond, t, eps)
+        timer["old_surrogate"] = time.perf_counter()
+        # ---------------- 6. gradient steps on the same pairs
+        ro = vgrpo.Rollouts(x0, cond, local_adv, t, eps, s_old, x_old if cfg.kl_coef > 0 else None)
+        update = vgrpo.vgrpo_update(surrogate, optimizer, ro, num_grad_steps=cfg.num_grad_steps,
+                                    micro_batch_size=cfg.micro_batch_size, clip_eps=cfg.clip_eps,
+                                    kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
+        timer["update"] = time.perf_counter()
+
+        # ---------------- 7. log
+        weighted = sum(w * global_scores[name] for name, w in weights.items())
+        cv = vgrpo.surrogate_cv(all_gather(s_old.mean(1).view(P_local, G)))
+        metrics = {
+            "reward_mean": weighted.mean().item(), "reward_std": weighted.std().item(),
+            **{f"reward/{n}_mean": s.mean().item() for n, s in global_scores.items()},
+            **{f"reward/{n}_std": s.std().item() for n, s in global_scores.items()},
+            "frac_zero_std_groups": (adv == 0).all(dim=1).float().mean().item(),
+            **reduce_metrics(update, device),
+            "surrogate_cv": cv["cv"], "surrogate_cv_within": cv["cv_within"],
+            "nfe_rollout": nfe_rollout, "nfe_old": K, "nfe_grad": K,  # per sample; nfe_grad counts forward+backward
+            "time_rollout": timer["rollout"] - timer["start"], "time_reward": timer["reward"] - timer["rollout"],
+            "time_old_surrogate": timer["old_surrogate"] - timer["reward"], "time_update": timer["update"] - timer["old_surrogate"],
+            "images_per_s": P * G / (timer["update"] - timer["start"]),
+            "peak_memory_gb": reduce_metrics({"m_max": peak_memory_gb(device)}, device)["m_max"],
+            "prompt_indices": chosen,
+        }
+        if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
+            metrics.update(evaluate(cfg, model, rollout_velocity, eval_prompts, reward_fns, weights, rank, world, device,
+                                    run_dir / "samples" / f"iter-{it:06d}.png" if master else None))
+        if it % cfg.log_every == 0 or it == cfg.iterations - 1:
+            tracker.log(it, metrics)
+        history.append((it, metrics["reward_mean"], metrics.get("eval/reward_mean")))
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{metrics['ratio_mean']:.3f}",
+                        skipped=int(metrics["skipped_steps"]))
+
+        # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM asked to stop
+        stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
+        if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
+            save_checkpoint(run_dir, it, transformer, optimizer, rank)
+        if stopping:
+            print0(f"SIGTERM: checkpoint of iteration {it} saved; continue with --resume {run_dir}")
+            break
+    else:
+        export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank)
+        print0(summary_table(history))
+        print0(f"done: {run_dir}/final, metrics in {run_dir}/metrics.jsonl")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, world, device, grid_path) -> dict:
+    """Rewards on the fixed evaluation prompts with fixed noise (one sample per prompt). Every rank runs
+    the same number of chunks (the sharded model needs all ranks in each forward); padding is dropped."""
+    per_rank = math.ceil(len(eval_prompts) / world)
+    indices = [(rank * per_rank + i) % len(eval_prompts) for i in range(per_rank)]
+    real = torch.tensor([rank * per_rank + i < len(eval_prompts) for i in range(per_rank)], device=device)
+    noise = initial_noise(cfg, model, "eval", 0, indices, device)
+    x0, _, scores = rollout(cfg, model, velocity, [eval_prompts[i] for i in indices], noise, reward_fns)
+    totals = {n: torch.stack([(s * real).sum(), real.sum().float()]) for n, s in scores.items()}
+    if dist.is_initialized():
+        for v in totals.values():
+            dist.all_reduce(v)
+    means = {f"eval/{n}_mean": (v[0] / v[1]).item() for n, v in totals.items()}
+    means["eval/reward_mean"] = sum(w * means[f"eval/{n}_mean"] for n, w in weights.items())
+    if grid_path is not None:
+        save_grid(model.decode(x0), grid_path)
+    return means
+
+
+def summary_table(history: list[tuple[int, float, float | None]]) -> str:
+    every = max(1, len(history) // 10)
+    rows = [h for i, h in enumerate(history) if i % every == 0 or i == len(history) - 1]
+    lines = ["iteration | reward_mean | eval reward_mean", "--------- | ----------- | ----------------"]
+    lines += [f"{it:9d} | {r:11.4f} | " + ("" if e is None else f"{e:16.4f}") for it, r, e in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cfg = parse_config(argv)
+        family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        prompts = load_prompts(cfg.prompts) if cfg.prompts else [Prompt(p, {}) for p in TINY_PROMPTS]
+        eval_prompts = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else prompts[:8]
+    except ConfigError as error:
+        sys.exit(f"error: {error}")
+    train(cfg, family, prompts, eval_prompts)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny offline models: the real diffusers / transformers classes at toy sizes, random weights,
+# tokenizers built in memory. Used by the default run and by the tests.
+
+TINY_PROMPTS = [f"a {color} {thing}" for color in rewards.COLORS for thing in ("square", "circle", "car", "flower")]
+_TINY_WORDS = sorted({w for p in TINY_PROMPTS for w in p.split()} | {"photo", "of", "the"})
+
+
+def tiny_clip_tokenizer():
+    """CLIP BPE over single bytes, plus merges that make each word of the tiny prompts one token."""
+    from transformers import CLIPTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = list(bytes_to_unicode().values())
+    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols])}
+    merges = []
+    for word in _TINY_WORDS:
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:  # merge left to right, each intermediate piece a vocabulary entry
+            merges.append((pieces[0], pieces[1]))
+            pieces = [pieces[0] + pieces[1]] + pieces[2:]
+            vocab.setdefault(pieces[0], len(vocab))
+    merges = list(dict.fromkeys(merges))
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=16)  # SD3 pads CLIP prompts to this length
+
+
+def tiny_t5_tokenizer():
+    """A unigram T5 tokenizer: the tiny prompts' words as single pieces, letters as fallback."""
+    from transformers import T5Tokenizer
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(c, -3.0) for c in letters] + [("▁" + c, -3.0) for c in letters] + [("▁" + w, -1.0) for w in _TINY_WORDS]
+    return T5Tokenizer(vocab=pieces, extra_ids=0)
+
+
+def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
+    """A StableDiffusion3Pipeline or FluxPipeline at toy sizes (32 px images, 16 x 16 x 4 latents),
+    random, or briefly fitted to toy images (fit_tiny_pipeline) when fit_steps > 0."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
+                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    torch.manual_seed(seed)
+    clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    clip = CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=2, projection_dim=16, max_position_embeddings=16,
+                          bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
+                          pad_token_id=clip_tok.pad_token_id)
+    t5 = T5Config(vocab_size=len(t5_tok), d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+                  pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=0)
+    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
+                        norm_num_groups=4, mid_block_add_attention=False, use_quant_conv=False,
+                        use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609)
+    if family == "sd3":
+        transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                            caption_projection_dim=32, pooled_projection_dim=32, pos_embed_max_size=16)
+        pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+                                        vae=vae, text_encoder=CLIPTextModelWithProjection(clip), tokenizer=clip_tok,
+                                        text_encoder_2=CLIPTextModelWithProjection(clip), tokenizer_2=clip_tok,
+                                        text_encoder_3=T5EncoderModel(t5), tokenizer_3=t5_tok)
+    else:
+        transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                             attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                             pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+        scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                    base_image_seq_len=256, max_image_seq_len=4096)
+        pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(clip), tokenizer=clip_tok,
+                            text_encoder_2=T5EncoderModel(t5), tokenizer_2=t5_tok, transformer=transformer)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()  # fresh models are in train mode: T5 dropout would make the text embeddings random
+    if fit_steps:
+        fit_tiny_pipeline(pipe, {"sd3": SD3, "flux": Flux}[family], steps=fit_steps, seed=seed)
+    return pipe
+
+
+def toy_images(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    """n 32 x 32 images (n, 3, 32, 32) in [0, 1]: a square or circle in one of the 8 colours of the colour
+    reward on grey. Captions name the shape, and the true colour only half of the time (else a random one):
+    a generator fitted to them follows the colour word imperfectly, leaving RL something to fix."""
+    colors = list(rewards.COLORS)
+    true_color = torch.randint(len(colors), (n,), generator=generator)
+    color = torch.tensor(list(rewards.COLORS.values()))[true_color]
+    centre = torch.randint(10, 22, (2, n, 1, 1), generator=generator)
+    radius = torch.randint(6, 11, (n, 1, 1), generator=generator)
+    circle = torch.rand(n, generator=generator) < 0.5
+    yy, xx = torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij")
+    dy, dx = yy - centre[0], xx - centre[1]
+    inside = torch.where(circle[:, None, None], dx**2 + dy**2 < radius**2, (dx.abs() < radius) & (dy.abs() < radius))
+    mask = inside[:, None].float()
+    images = mask * color[:, :, None, None] + (1 - mask) * 0.5
+    words = torch.where(torch.rand(n, generator=generator) < 0.75, true_color,
+                        torch.randint(len(colors), (n,), generator=generator))
+    return images, [f"a {colors[w]} {'circle' if c else 'square'}" for w, c in zip(words, circle)]
+
+
+def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size: int = 32) -> None:
+    """Fit the tiny VAE as an autoencoder of toy_images (steps), then the transformer with the
+    rectified-flow loss on the latents of a fixed set of them (4 * steps): a small pretrained
+    generator. Latents and text embeddings are computed once."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    vae, transformer = pipe.vae.train().requires_grad_(True), pipe.transformer.train().requires_grad_(True)
+    opt = torch.optim.Adam(vae.parameters(), lr=3e-3)
+    for _ in range(steps):
+        x = toy_images(batch_size // 2, g)[0] * 2 - 1
+        posterior = vae.encode(x).latent_dist
+        loss = F.mse_loss(vae.decode(posterior.sample(generator=g)).sample, x) + 1e-6 * posterior.kl().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    vae.eval().requires_grad_(False)
+    model = adapter(pipe, Config(), torch.float32)
+    images, captions = toy_images(512, g)
+    with torch.no_grad():
+        latents = (vae.encode(images * 2 - 1).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
+    data = model.from_vae_latents(latents)
+    unique = sorted(set(captions))
+    embedded = model.encode(unique)
+    cond = {k: v[[unique.index(c) for c in captions]] for k, v in embedded.items()}
+    opt = torch.optim.Adam(transformer.parameters(), lr=1e-3)
+    for _ in range(4 * steps):
+        i = torch.randint(len(data), (batch_size,), generator=g)
+        x0, eps, t = data[i], torch.randn((batch_size, *data.shape[1:]), generator=g), torch.rand(batch_size, generator=g)
+        tb = t.view(-1, *[1] * (x0.dim() - 1))
+        loss = F.mse_loss(model.velocity((1 - tb) * x0 + tb * eps, t, {k: v[i] for k, v in cond.items()}), eps - x0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    transformer.eval().requires_grad_(False)
+
+
+if __name__ == "__main__":
+    main()
