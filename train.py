@@ -180,9 +180,10 @@ def validate(cfg: Config, world_size: int) -> str:
                           f"of whole --micro_batch_size {cfg.micro_batch_size} micro-batches")
     if not (cfg.num_mc >= 1 and 0 <= cfg.t_min < cfg.t_max <= 1):
         raise ConfigError(f"need --num_mc >= 1 and 0 <= --t_min < --t_max <= 1, got {cfg.num_mc}, {cfg.t_min}, {cfg.t_max}")
-    weights = rewards.parse_reward_spec(cfg.rewards) if cfg.rewards else {}
-    if not weights:
-        raise ConfigError("--rewards is empty; name at least one, e.g. --rewards pickscore:1")
+    try:
+        weights = rewards.parse_reward_spec(cfg.rewards)
+    except ValueError as error:
+        raise ConfigError(f"--rewards: {error}") from None
     try:
         options = json.loads(cfg.reward_options)
     except ValueError as error:
@@ -328,13 +329,13 @@ class Flux(SD3):
         return {"embeds": embeds.float(), "pooled": pooled.float()}
 
     def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        h = w = self._grid()
-        img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h), torch.arange(w), indexing="ij"), -1)
+        rows, cols = torch.meshgrid(torch.arange(self._grid()), torch.arange(self._grid()), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).view(-1, 3).float()  # (0, row, col)
         txt_ids = torch.zeros(cond["embeds"].shape[1], 3)
         guidance = torch.full((z.shape[0],), self.cfg.flux_guidance, device=z.device)
         with autocast(z.device, self.dtype):
             return self.transformer(hidden_states=z, timestep=t, guidance=guidance, encoder_hidden_states=cond["embeds"],
-                                    pooled_projections=cond["pooled"], img_ids=img_ids.view(-1, 3).to(z.device),
+                                    pooled_projections=cond["pooled"], img_ids=img_ids.to(z.device),
                                     txt_ids=txt_ids.to(z.device), return_dict=False)[0].float()
 
     def _grid(self) -> int:
@@ -458,7 +459,9 @@ def barrier() -> None:
 def state_options():
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=True)  # LoRA: the frozen base is reloaded from --model
+    # LoRA: the frozen base is not saved (it is reloaded from --model), so loading cannot be strict;
+    # load_checkpoint checks instead that only frozen parameters were missing.
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int) -> None:
@@ -493,8 +496,12 @@ def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
     model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=state_options())
+    keys = set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                          options=state_options())
+    frozen = {name for name, p in transformer.named_parameters() if not p.requires_grad}
+    if keys.unexpected_keys or set(keys.missing_keys) - frozen:
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing trainable "
+                           f"{sorted(set(keys.missing_keys) - frozen)[:5]}, unexpected {keys.unexpected_keys[:5]}")
     rng = torch.load(path / f"rng-rank{rank}.pt")
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"]:
