@@ -6,10 +6,13 @@ implementation would not show.
 """
 
 import copy
+import io
 import json
+import math
 import os
 import subprocess
 import sys
+import urllib.request
 from functools import partial
 from pathlib import Path
 
@@ -496,3 +499,310 @@ def toy_mode_prior(model):
     c = torch.randint(4, (512,), generator=g)
     x0 = vgrpo.sample_ode(model, torch.randn(512, 2, generator=g), c, vgrpo.flow_timesteps(16))
     return vgrpo.toy_mode_stats(x0, c)
+
+
+# ----------------------------------------------------------------------------------------------
+# rewards.py
+
+import http.server  # noqa: E402
+import socket  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+import rewards  # noqa: E402
+import train  # noqa: E402
+
+
+def smooth_images(n, h=40, w=56, seed=0):
+    """Low-frequency images quantised to uint8 levels (PNG and PIL round trips are then lossless)."""
+    g = torch.Generator().manual_seed(seed)
+    img = F.interpolate(torch.rand(n, 3, 5, 7, generator=g), size=(h, w), mode="bilinear", align_corners=False)
+    return (img * 255).round() / 255
+
+
+@pytest.fixture(scope="module")
+def tiny_clip_dir(tmp_path_factory):
+    """A random CLIPModel + CLIP processor (tokenizer built offline), saved like a hub checkpoint."""
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    tok = train.tiny_clip_tokenizer()
+    torch.manual_seed(0)
+    config = CLIPConfig(
+        text_config=dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=16, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8),
+        projection_dim=24)
+    path = tmp_path_factory.mktemp("clip")
+    CLIPModel(config).save_pretrained(path)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tok).save_pretrained(path)
+    return str(path)
+
+
+PROMPTS4 = ["a red car", "a blue flower", "the green square", "a photo of a white circle"]
+
+
+def clip_reference(clip_dir, images, prompts):
+    """Embeddings straight from CLIPModel.forward (which normalises them), independent of ClipScorer."""
+    from transformers import AutoProcessor, CLIPModel
+
+    model, proc = CLIPModel.from_pretrained(clip_dir).eval(), AutoProcessor.from_pretrained(clip_dir)
+    inputs = proc(text=prompts, images=rewards.to_pil(images), return_tensors="pt", padding=True)
+    with torch.no_grad():
+        return model(**inputs), model
+
+
+@pytest.mark.parametrize("name", ["pickscore", "clipscore"])
+def test_clip_rewards_match_the_model_and_are_deterministic_and_order_invariant(name, tiny_clip_dir):
+    reward = rewards.load_reward(name, model=tiny_clip_dir, processor=tiny_clip_dir)
+    images = smooth_images(4, h=32, w=32)  # already at the processor's size: both paths see the same pixels
+    scores = reward(images, PROMPTS4)
+    assert scores.shape == (4,) and scores.dtype == torch.float32
+    torch.testing.assert_close(reward(images, PROMPTS4), scores, rtol=0, atol=0)
+    perm = torch.tensor([2, 0, 3, 1])
+    torch.testing.assert_close(reward(images[perm], [PROMPTS4[i] for i in perm]), scores[perm], rtol=1e-5, atol=1e-6)
+    out, model = clip_reference(tiny_clip_dir, images, PROMPTS4)
+    expected = out.logits_per_image.diagonal() if name == "pickscore" else (out.image_embeds * out.text_embeds).sum(-1)
+    torch.testing.assert_close(scores, expected, rtol=2e-3, atol=2e-3)
+
+
+def test_clip_preprocessing_matches_the_processor_pil_path(tiny_clip_dir):
+    from transformers import AutoProcessor, CLIPImageProcessorPil
+
+    for processor in (AutoProcessor.from_pretrained(tiny_clip_dir).image_processor, CLIPImageProcessorPil(),
+                      CLIPImageProcessorPil(size={"height": 48, "width": 40}, crop_size={"height": 32, "width": 32})):
+        for h, w in ((40, 56), (300, 200)):
+            images = smooth_images(2, h, w)
+            ours = rewards.clip_preprocess(images, processor)
+            ref = processor(images=rewards.to_pil(images), return_tensors="pt").pixel_values
+            assert ours.shape == ref.shape
+            # The PIL path rounds the resized image to uint8: about 1/255 of a pixel, 0.015 after normalising.
+            assert (ours - ref).abs().max() < 0.03 and (ours - ref).abs().mean() < 0.008
+
+
+def test_aesthetic_reward_is_the_mlp_on_the_normalised_image_embedding(tiny_clip_dir, tmp_path):
+    torch.manual_seed(1)
+    head = rewards.AestheticHead(24)
+    torch.save(head.state_dict(), tmp_path / "head.pth")
+    reward = rewards.load_reward("aesthetic", clip=tiny_clip_dir, head=str(tmp_path / "head.pth"))
+    images = smooth_images(3, h=32, w=32)
+    out, _ = clip_reference(tiny_clip_dir, images, PROMPTS4[:3])
+    with torch.no_grad():
+        expected = head.eval()(out.image_embeds).squeeze(-1)
+    torch.testing.assert_close(reward(images, PROMPTS4[:3]), expected, rtol=1e-4, atol=1e-4)
+
+
+def openclip_state_dict(*, width_v=32, width_t=24, layers=2, patch=8, grid=4, vocab=600, ctx=16, embed=20, seed=0):
+    """Random weights in open_clip's exact key layout and shapes (ViT-H-14's layout at toy sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: 0.2 * torch.randn(*shape, generator=g)  # noqa: E731
+    sd = {"logit_scale": torch.tensor(4.6), "visual.class_embedding": r(width_v),
+          "visual.positional_embedding": r(grid * grid + 1, width_v), "visual.proj": r(width_v, embed),
+          "visual.conv1.weight": r(width_v, 3, patch, patch), "token_embedding.weight": r(vocab, width_t),
+          "positional_embedding": r(ctx, width_t), "text_projection": r(width_t, embed),
+          "attn_mask": torch.full((ctx, ctx), float("-inf")).triu(1)}
+    for prefix, w in (("visual.ln_pre", width_v), ("visual.ln_post", width_v), ("ln_final", width_t)):
+        sd[f"{prefix}.weight"], sd[f"{prefix}.bias"] = 1 + r(w), r(w)
+    for tower, w in (("visual.transformer", width_v), ("transformer", width_t)):
+        for i in range(layers):
+            p = f"{tower}.resblocks.{i}."
+            for ln in ("ln_1", "ln_2"):
+                sd[p + ln + ".weight"], sd[p + ln + ".bias"] = 1 + r(w), r(w)
+            sd[p + "attn.in_proj_weight"], sd[p + "attn.in_proj_bias"] = r(3 * w, w), r(3 * w)
+            sd[p + "attn.out_proj.weight"], sd[p + "attn.out_proj.bias"] = r(w, w), r(w)
+            sd[p + "mlp.c_fc.weight"], sd[p + "mlp.c_fc.bias"] = r(4 * w, w), r(4 * w)
+            sd[p + "mlp.c_proj.weight"], sd[p + "mlp.c_proj.bias"] = r(w, 4 * w), r(w)
+    return sd
+
+
+def openclip_forward(sd, pixels, tokens, *, heads):
+    """open_clip's CLIP forward written out by hand: pre-LN residual blocks with fused qkv attention,
+    class-token pooling for images, EOT (= highest id) pooling for text, then the projections."""
+
+    def ln(x, name):
+        return F.layer_norm(x, x.shape[-1:], sd[name + ".weight"], sd[name + ".bias"])
+
+    def blocks(x, tower, mask):
+        n = sum(1 for k in sd if k.startswith(tower) and k.endswith("attn.in_proj_weight"))
+        B, L, W = x.shape
+        for i in range(n):
+            p = f"{tower}.resblocks.{i}."
+            q, k, v = (ln(x, p + "ln_1") @ sd[p + "attn.in_proj_weight"].T + sd[p + "attn.in_proj_bias"]).chunk(3, -1)
+            q, k, v = (y.view(B, L, heads, W // heads).transpose(1, 2) for y in (q, k, v))
+            att = (q @ k.transpose(-1, -2) / math.sqrt(W // heads) + mask).softmax(-1)
+            x = x + (att @ v).transpose(1, 2).reshape(B, L, W) @ sd[p + "attn.out_proj.weight"].T + sd[p + "attn.out_proj.bias"]
+            h = F.gelu(ln(x, p + "ln_2") @ sd[p + "mlp.c_fc.weight"].T + sd[p + "mlp.c_fc.bias"])
+            x = x + h @ sd[p + "mlp.c_proj.weight"].T + sd[p + "mlp.c_proj.bias"]
+        return x
+
+    patch = sd["visual.conv1.weight"].shape[-1]
+    x = F.conv2d(pixels, sd["visual.conv1.weight"], stride=patch).flatten(2).transpose(1, 2)
+    x = torch.cat([sd["visual.class_embedding"].expand(len(x), 1, -1), x], 1) + sd["visual.positional_embedding"]
+    x = blocks(ln(x, "visual.ln_pre"), "visual.transformer", 0.0)
+    image = ln(x[:, 0], "visual.ln_post") @ sd["visual.proj"]
+    L = tokens.shape[1]
+    t = sd["token_embedding.weight"][tokens] + sd["positional_embedding"][:L]
+    t = ln(blocks(t, "transformer", torch.full((L, L), float("-inf")).triu(1)), "ln_final")
+    text = t[torch.arange(len(t)), tokens.argmax(-1)] @ sd["text_projection"]
+    return F.normalize(image, dim=-1), F.normalize(text, dim=-1)
+
+
+def test_hpsv21_open_clip_weights_convert_exactly(tiny_clip_dir, tmp_path):
+    sd = openclip_state_dict()
+    model = rewards.openclip_to_transformers(sd, vision_heads=4, text_heads=4, bos_token_id=0, eos_token_id=1)
+    assert set(model.state_dict()) == set(rewards.convert_openclip_state_dict(sd))  # nothing missing or extra
+    torch.save({"state_dict": {"module." + k: v for k, v in sd.items()}}, tmp_path / "HPS_v2.1_compressed.pt")
+    reward = rewards.load_reward("hpsv21", checkpoint=str(tmp_path / "HPS_v2.1_compressed.pt"),
+                                 processor=tiny_clip_dir, vision_heads=4, text_heads=4)
+    images = smooth_images(4, h=32, w=32)
+    tok = reward.processor.tokenizer(PROMPTS4, padding="max_length", max_length=16, return_tensors="pt").input_ids
+    tok = torch.where(torch.arange(16) > tok.argmax(-1, keepdim=True), 0, tok)  # open_clip pads with 0 after EOT
+    image_ref, text_ref = openclip_forward(sd, rewards.clip_preprocess(images, reward.processor.image_processor), tok,
+                                           heads=4)
+    torch.testing.assert_close(reward.embed_images(images), image_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(reward.embed_texts(PROMPTS4), text_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(reward(images, PROMPTS4), (image_ref * text_ref).sum(-1), rtol=1e-4, atol=1e-5)
+
+
+def test_hpsv21_conversion_rejects_a_checkpoint_of_another_architecture():
+    sd = openclip_state_dict()
+    sd["visual.attnpool.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="unexpected.*visual.attnpool"):
+        rewards.openclip_to_transformers(sd, vision_heads=4, text_heads=4)
+
+
+def test_imagereward_without_its_package_says_how_to_install_it():
+    pytest.importorskip("torch")
+    if __import__("importlib").util.find_spec("ImageReward") is not None:
+        pytest.skip("image-reward is installed here")
+    with pytest.raises(ImportError, match="pip install image-reward"):
+        rewards.load_reward("imagereward")
+
+
+def test_jpeg_rewards_are_the_encoded_size_and_rank_smooth_above_noise():
+    from PIL import Image
+
+    images = torch.cat([smooth_images(1, 64, 64), torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))])
+    size = rewards.load_reward("jpeg_incompressibility")(images, ["", ""])
+    for image, kb in zip(images, size):
+        buffer = io.BytesIO()
+        Image.fromarray((image.permute(1, 2, 0) * 255).round().byte().numpy()).save(buffer, "JPEG", quality=95)
+        assert kb.item() == pytest.approx(len(buffer.getvalue()) / 1000)
+    compress = rewards.load_reward("jpeg_compressibility")(images, ["", ""])
+    torch.testing.assert_close(compress, -size)
+    assert compress[0] > compress[1]  # the smooth image is more compressible than noise
+
+
+def test_color_reward_follows_the_prompt_and_metadata():
+    images = torch.zeros(3, 3, 8, 8)
+    images[0, 0] = 1.0  # pure red
+    images[1] = 0.5  # grey
+    images[2, 2] = 1.0  # pure blue
+    reward = rewards.load_reward("color")
+    scores = reward(images, ["a red car", "a RED car", "a photo"], [None, None, {"color": "blue"}])
+    expected = [1.0, 1 - math.sqrt(0.25 + 0.25 + 0.25) / math.sqrt(3), 1.0]
+    torch.testing.assert_close(scores, torch.tensor(expected))
+    with pytest.raises(ValueError, match="needs a colour word"):
+        reward(images[:1], ["a photo"])
+
+
+def test_reward_spec_parsing_and_unknown_names():
+    assert rewards.parse_reward_spec("pickscore:2, hpsv21,clipscore:0.5") == {"pickscore": 2.0, "hpsv21": 1.0, "clipscore": 0.5}
+    for bad, message in (("pickscor", "unknown reward 'pickscor'"), ("color:x", "not a number"), (",", "no reward named")):
+        with pytest.raises(ValueError, match=message):
+            rewards.parse_reward_spec(bad)
+    with pytest.raises(ValueError, match="unknown reward"):
+        rewards.load_reward("nope")
+
+
+def test_multi_reward_aggregation_matches_hand_computation():
+    a = torch.tensor([[1.0, 2.0, 3.0], [5.0, 5.0, 5.0]])
+    b = torch.tensor([[10.0, 0.0, 20.0], [1.0, 3.0, 2.0]])
+    w = {"a": 1.0, "b": 0.5}
+
+    def standardise(r):  # population std, no delta
+        r = r.numpy()
+        s = r.std(1, keepdims=True)
+        return np.where(s > 0, (r - r.mean(1, keepdims=True)) / np.where(s > 0, s, 1), 0)
+
+    summed = vgrpo.multi_reward_advantages({"a": a, "b": b}, w, aggregation="reward", delta=0.0)
+    np.testing.assert_allclose(summed.numpy(), standardise(a + 0.5 * b), rtol=1e-6, atol=1e-6)
+    per_reward = vgrpo.multi_reward_advantages({"a": a, "b": b}, w, aggregation="advantage", delta=0.0)
+    np.testing.assert_allclose(per_reward.numpy(), standardise(a) + 0.5 * standardise(b), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="aggregation must be"):
+        vgrpo.multi_reward_advantages({"a": a}, {"a": 1.0}, aggregation="mean")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def color_server():
+    """`python rewards.py serve color` as a real subprocess on 127.0.0.1."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "rewards.py"), "serve", "color", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                assert json.loads(response.read()) == {"status": "ok", "reward": "color"}
+                break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        proc.kill()
+        pytest.fail("reward server did not start: " + proc.stdout.read())
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_http_reward_round_trips_a_batch_with_identical_scores(color_server):
+    images = smooth_images(5, 24, 24)
+    prompts = [f"a {c} thing" for c in ("red", "green", "blue", "white", "black")]
+    remote = rewards.load_reward("http", url=color_server)(images, prompts, [{}] * 5)
+    torch.testing.assert_close(remote, rewards.load_reward("color")(images, prompts), rtol=0, atol=0)
+
+
+def test_http_reward_reports_a_rejected_request_with_the_server_message(color_server):
+    with pytest.raises(RuntimeError, match="rejected the request \\(400\\).*needs a colour word"):
+        rewards.load_reward("http", url=color_server)(smooth_images(1, 8, 8), ["no colour here"])
+
+
+def test_http_reward_gives_a_clear_error_after_bounded_retries_when_the_server_is_down():
+    client = rewards.HttpReward(f"http://127.0.0.1:{free_port()}", retries=3, backoff=0.05, timeout=2)
+    start = time.perf_counter()
+    with pytest.raises(ConnectionError, match="no answer after 3 attempts.*python rewards.py serve"):
+        client(smooth_images(1, 8, 8), ["a red car"])
+    assert 0.05 + 0.1 <= time.perf_counter() - start < 10  # two backoff waits, then it gives up
+
+
+@pytest.mark.parametrize("body", [b"not json", b'{"score": [1.0]}', b'{"scores": [1.0, 2.0]}', b'{"scores": ["x"]}',
+                                  b'{"scores": [NaN]}'])
+def test_http_reward_rejects_a_malformed_response(body):
+    class Bad(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Bad)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ValueError, match="malformed response from reward server"):
+            rewards.HttpReward(f"http://127.0.0.1:{server.server_port}")(smooth_images(1, 8, 8), ["a red car"])
+    finally:
+        server.shutdown()
