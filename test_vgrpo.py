@@ -806,3 +806,241 @@ def test_http_reward_rejects_a_malformed_response(body):
             rewards.HttpReward(f"http://127.0.0.1:{server.server_port}")(smooth_images(1, 8, 8), ["a red car"])
     finally:
         server.shutdown()
+
+
+# ----------------------------------------------------------------------------------------------
+# train.py
+
+import shutil  # noqa: E402
+import signal  # noqa: E402
+
+SMALL_RUN = ["--iterations", "2", "--num_prompts", "2", "--group_size", "4", "--micro_batch_size", "4",
+             "--sampling_steps", "4", "--eval_every", "1", "--tiny_fit_steps", "0"]
+
+
+def run_train(*args, nproc=0, timeout=600):
+    """train.py as a subprocess (under torchrun with nproc processes if nproc)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if nproc else None  # 2 processes on 2 cores
+    proc = subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    """Random tiny SD3 and FLUX pipelines saved with save_pretrained, and a jsonl prompt file."""
+    root = tmp_path_factory.mktemp("pipelines")
+    for family in ("sd3", "flux"):
+        train.tiny_pipeline(family, seed=0).save_pretrained(root / family)
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"a {c} {t}", "color": c})
+                                                  for c in ("red", "green", "blue") for t in ("car", "flower")))
+    return root
+
+
+@pytest.fixture(scope="module")
+def sd3_run(tiny_dirs, tmp_path_factory):
+    """Two LoRA iterations on the saved tiny SD3 pipeline, one process."""
+    run_dir = tmp_path_factory.mktemp("runs") / "sd3"
+    run_train("--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", "--run_dir", run_dir, *SMALL_RUN)
+    return run_dir
+
+
+def lora_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(Path(run_dir) / "final" / "pytorch_lora_weights.safetensors")
+
+
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_adapters_reproduce_the_diffusers_pipeline(family):
+    """Our text encoding + velocity + Euler on the shifted grid + decoding == the pipeline's own call."""
+    pipe = train.tiny_pipeline(family, seed=0)
+    cfg = train.Config(sampling_steps=5)
+    model = {"sd3": train.SD3, "flux": train.Flux}[family](pipe, cfg, torch.float32)
+    prompts = ["a red car", "a blue flower"]
+    noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
+    x0 = vgrpo.sample_ode(model.velocity, noise, model.encode(prompts), model.timesteps())
+    unshifted = torch.linspace(1, 0, cfg.sampling_steps + 1)[:-1].tolist()  # the scheduler applies the shift
+    guidance = 1.0 if family == "sd3" else cfg.flux_guidance  # SD3: 1 = no CFG; FLUX: distilled guidance
+    call = partial(pipe, prompts, height=cfg.resolution, width=cfg.resolution, num_inference_steps=cfg.sampling_steps,
+                   sigmas=unshifted, latents=noise, max_sequence_length=cfg.max_sequence_length, guidance_scale=guidance)
+    torch.testing.assert_close(x0, call(output_type="latent").images, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.decode(x0), call(output_type="pt").images, rtol=1e-4, atol=1e-4)
+
+
+def test_train_sd3_lora_from_a_saved_pipeline_writes_metrics_checkpoint_and_samples(sd3_run):
+    metrics = read_metrics(sd3_run)
+    assert [m["iteration"] for m in metrics] == [0, 1]
+    for m in metrics:
+        assert all(math.isfinite(m[k]) for k in ("loss", "reward_mean", "grad_norm", "surrogate_cv", "eval/reward_mean"))
+        assert m["ratio_mean"] == pytest.approx(1.0) and m["skipped_steps"] == 0 and m["nfe_rollout"] == 4
+    checkpoints = sd3_run / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "iter-000001"
+    assert json.loads((checkpoints / "iter-000001" / "state.json").read_text()) == {"iteration": 1}
+    assert json.loads((sd3_run / "config.json").read_text())["group_size"] == 4
+    assert (sd3_run / "samples" / "iter-000001.png").is_file()
+    assert lora_weights(sd3_run) and all("lora" in k for k in lora_weights(sd3_run))
+
+
+def test_train_flux_full_finetune_exports_a_loadable_transformer(tiny_dirs, tmp_path):
+    from diffusers import FluxTransformer2DModel
+
+    run_train("--model", tiny_dirs / "flux", "--prompts", tiny_dirs / "prompts.jsonl", "--run_dir", tmp_path,
+              "--lora_rank", "0", "--lr", "1e-3", *SMALL_RUN)
+    assert all(math.isfinite(m["loss"]) for m in read_metrics(tmp_path))
+    trained = FluxTransformer2DModel.from_pretrained(tmp_path / "final" / "transformer")
+    original = FluxTransformer2DModel.from_pretrained(tiny_dirs / "flux" / "transformer")
+    changed = [k for k, v in trained.state_dict().items() if not torch.equal(v, original.state_dict()[k])]
+    assert changed and (tmp_path / "checkpoints" / "latest").is_file()
+
+
+def test_exported_lora_loads_into_a_diffusers_pipeline_and_changes_its_output(tiny_dirs, sd3_run):
+    from diffusers import StableDiffusion3Pipeline
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(tiny_dirs / "sd3")
+    noise = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(0))
+    call = partial(pipe, "a red car", height=32, width=32, num_inference_steps=3, guidance_scale=1.0, latents=noise,
+                   max_sequence_length=8, output_type="latent")
+    before = call().images
+    pipe.load_lora_weights(sd3_run / "final")
+    after = call().images
+    assert (after - before).abs().max() > 1e-6
+    saved = lora_weights(sd3_run)
+    loaded = {k: v for k, v in pipe.transformer.state_dict().items() if "lora" in k}
+    assert len(loaded) == len(saved) and any(v.abs().max() > 0 for k, v in loaded.items() if "lora_B" in k)
+
+
+def test_torchrun_fsdp2_two_processes_match_one_process(tiny_dirs, sd3_run, tmp_path):
+    run_train("--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", "--run_dir", tmp_path,
+              *SMALL_RUN, nproc=2)
+    one, two = read_metrics(sd3_run), read_metrics(tmp_path)
+    for a, b in zip(one, two, strict=True):
+        assert a["prompt_indices"] == b["prompt_indices"]
+        # Same data: rollouts, rewards and advantages are world-size independent.
+        for key in ("reward_mean", "reward_std", "frac_zero_std_groups", "surrogate_cv", "eval/reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        # Same model on every rank (identical LoRA init) and the same gradient: only summation order differs.
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    for k, v in lora_weights(sd3_run).items():
+        torch.testing.assert_close(lora_weights(tmp_path)[k], v, rtol=1e-3, atol=1e-5)
+
+
+def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dirs, sd3_run, tmp_path):
+    common = ["--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN]
+    run_train(*common, "--run_dir", tmp_path / "straight", "--iterations", "4")
+    shutil.copytree(sd3_run, tmp_path / "resumed")  # its 2 iterations, checkpoint at iteration 1
+    proc = run_train("--resume", tmp_path / "resumed", "--iterations", "4")
+    assert "resuming at iteration 2" in proc.stdout
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
+    assert [m["iteration"] for m in resumed] == [0, 1, 2, 3]
+    assert [m["prompt_indices"] for m in resumed] == [m["prompt_indices"] for m in straight]
+    for k, v in lora_weights(tmp_path / "straight").items():
+        torch.testing.assert_close(lora_weights(tmp_path / "resumed")[k], v, rtol=1e-6, atol=1e-8)
+
+
+def test_sigterm_checkpoints_the_current_iteration_and_exits_cleanly(tiny_dirs, tmp_path):
+    cmd = [sys.executable, str(ROOT / "train.py"), "--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl",
+           "--run_dir", tmp_path, *SMALL_RUN, "--iterations", "1000", "--save_every", "1000", "--eval_every", "0"]
+    proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not ((tmp_path / "metrics.jsonl").is_file() and len(read_metrics(tmp_path)) >= 2):
+        assert proc.poll() is None and time.time() < deadline, "training did not get going"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output[-2000:]
+    last = read_metrics(tmp_path)[-1]["iteration"]
+    assert f"SIGTERM: checkpoint of iteration {last} saved" in output and last < 999
+    assert (tmp_path / "checkpoints" / "latest").read_text() == f"iter-{last:06d}"
+    assert not (tmp_path / "final").exists()  # stopped early: no final export
+
+
+def test_default_run_from_the_readme_raises_the_reward(tmp_path):
+    """`python train.py`: the tiny SD3 model fitted to toy images learns to paint the colour its prompt names."""
+    proc = run_train("--run_dir", tmp_path)
+    assert "iteration | reward_mean" in proc.stdout
+    metrics = read_metrics(tmp_path)
+    evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
+    assert evals[-1] > evals[0] + 0.04, evals
+    first, last = np.mean([m["reward_mean"] for m in metrics[:5]]), np.mean([m["reward_mean"] for m in metrics[-5:]])
+    assert last > first + 0.04, (first, last)
+
+
+BAD_INPUTS = [
+    (["--preset", "nope"], "unknown preset 'nope'"),
+    (["--model", "{tmp}/missing"], "neither a directory, a hub id"),
+    (["--model", "{tmp}"], "no model_index.json there"),
+    (["--prompts", "{tmp}/missing.txt"], "does not exist"),
+    (["--prompts", "{tmp}/empty.txt"], "holds no prompts"),
+    (["--prompts", "{tmp}/bad.jsonl"], "bad.jsonl:2: expected a JSON object with a 'prompt' field"),
+    (["--group_size", "6", "--micro_batch_size", "5"], "must split into --num_grad_steps 1 mini-batches"),
+    (["--group_size", "1"], "at least 2 samples per prompt"),
+    (["--rewards", "pickscor:1"], "unknown reward 'pickscor'"),
+    (["--reward_options", '{"pickscore": {}}'], "must map names from --rewards"),
+    (["--solver", "rk4"], "--solver 'rk4' is not one of"),
+    (["--resume", "{tmp}"], "no config.json there"),
+    (["--model", "tiny-flux", "--cfg_scale", "4"], "SD3 only"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUTS)
+def test_bad_input_is_one_clear_error_before_any_model_is_loaded(argv, message, tmp_path, monkeypatch):
+    (tmp_path / "empty.txt").write_text("\n\n")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a red car"}\n["not", "an", "object"]\n')
+    monkeypatch.setattr(train, "train", lambda *a: pytest.fail("training started despite bad input"))
+    monkeypatch.setattr(train, "load_pipeline", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value)
+    assert "\n" not in str(exit_info.value)
+
+
+def test_world_size_that_does_not_divide_the_prompts_is_rejected(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(train, "train", lambda *a: pytest.fail("training started despite bad input"))
+    with pytest.raises(SystemExit, match="--num_prompts 8 must be divisible by the world size 3"):
+        train.main([])
+
+
+def test_cli_error_is_one_line_on_stderr_without_traceback():
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--rewards", "nope"], capture_output=True, text=True,
+                          timeout=120)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[transformers]")]
+    assert proc.returncode == 1 and lines == [lines[0]] and lines[0].startswith("error: --rewards: unknown reward")
+
+
+def test_config_layers_preset_then_flags_and_every_field_is_documented():
+    cfg = train.parse_config(["--preset", "sd35m", "--prompts", "p.txt", "--group_size", "12", "--no-stratified",
+                              "--clip_eps", "0.01", "--soft_clip_eta", "none"])
+    assert (cfg.num_prompts, cfg.group_size, cfg.sampling_steps, cfg.lora_rank) == (48, 12, 40, 32)
+    assert cfg.stratified is False and cfg.clip_eps == 0.01 and cfg.soft_clip_eta is None
+    from dataclasses import fields
+
+    assert all(f.metadata.get("help") for f in fields(train.Config))
+
+
+def test_prompt_order_is_a_pure_function_of_seed_and_iteration_covering_each_epoch():
+    picks = [train.prompts_for_iteration(10, 4, 0, it) for it in range(5)]  # 20 picks = 2 epochs of 10
+    flat = sum(picks, [])
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:]) == list(range(10))
+    assert picks == [train.prompts_for_iteration(10, 4, 0, it) for it in range(5)]
+    assert picks != [train.prompts_for_iteration(10, 4, 1, it) for it in range(5)]
+
+
+def test_toy_images_captions_name_the_shape_and_mostly_the_true_colour():
+    images, captions = train.toy_images(400, torch.Generator().manual_seed(0))
+    assert images.shape == (400, 3, 32, 32) and 0 <= images.min() and images.max() <= 1
+    palette = torch.tensor(list(rewards.COLORS.values()))
+    corner = images[:, :, 0, 0]
+    assert torch.allclose(corner, torch.full_like(corner, 0.5))  # grey background
+    centre = images[:, :, 16, 16]  # the shape always covers the centre
+    named = torch.tensor([list(rewards.COLORS).index(c.split()[1]) for c in captions])
+    truthful = (torch.cdist(centre, palette).argmin(1) == named).float().mean().item()
+    assert 0.7 < truthful < 0.85  # 75% true + 25% random (a random pick is right 1/8 of the time)

@@ -629,11 +629,12 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), "run_dir": str(run_dir)}, indent=2))
     print0 = print if master else (lambda *a, **k: None)
 
-    # Seeding rules. Identical on every rank: model init (tiny models), prompt order, the (t, eps) pairs of
-    # group g (seeded by (seed, iteration, g)). Different for every sample: rollout noise (seeded by
-    # (seed, iteration, global sample index)). None of these depends on the world size, so 1 and N processes
-    # train on the same data. The global torch RNG (unused by the algorithm) gets seed + rank.
-    torch.manual_seed(cfg.seed + rank)
+    # Seeding rules. Identical on every rank: every weight initialisation (tiny models, LoRA adapters: FSDP2
+    # shards each rank's own copy and never broadcasts), prompt order, and the (t, eps) pairs of group g
+    # (seeded by (seed, iteration, g)). Different for every sample: rollout noise (seeded by (seed, iteration,
+    # global sample index)). None of these depends on the world size, so 1 and N processes train on the same
+    # data. After setup the global torch RNG, which the algorithm does not use, is seeded seed + rank.
+    torch.manual_seed(cfg.seed)
 
     weights = rewards.parse_reward_spec(cfg.rewards)
     options = json.loads(cfg.reward_options)
@@ -653,6 +654,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         apply_fsdp(transformer, dtype)
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    torch.manual_seed(cfg.seed + rank)
     start = load_checkpoint(run_dir, transformer, optimizer, rank) if cfg.resume else 0
     print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}, "
            f"{dtype}, run dir {run_dir}" + (f", resuming at iteration {start}" if start else ""))
