@@ -925,11 +925,14 @@ def test_torchrun_fsdp2_two_processes_match_one_process(tiny_dirs, sd3_run, tmp_
         # Same data: rollouts, rewards and advantages are world-size independent.
         for key in ("reward_mean", "reward_std", "frac_zero_std_groups", "surrogate_cv", "eval/reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-        # Same model on every rank (identical LoRA init) and the same gradient: only summation order differs.
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        # Rounding differs with batch sizes (the text encoder sees 1 vs 2 prompts), so rewards differ by an ULP,
+        # and advantages divide that by a within-group std of ~0.002: the loss agrees to ~1e-5, not exactly.
+        # A model that differs across ranks (e.g. LoRA initialised per rank) is off by percents.
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    # Adam moves each weight by about lr = 1e-3 per step whatever the gradient's size: allow a tenth of a step.
     for k, v in lora_weights(sd3_run).items():
-        torch.testing.assert_close(lora_weights(tmp_path)[k], v, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(lora_weights(tmp_path)[k], v, rtol=0, atol=1e-4)
 
 
 def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dirs, sd3_run, tmp_path):

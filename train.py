@@ -103,7 +103,7 @@ class Config:
     seed: int = arg(0, "base seed; see the seeding rules in train()")
     run_dir: str = arg("", "output directory; default runs/<preset>-<time>")
     resume: str = arg("", "run directory to continue from its last checkpoint (its config.json is the base)")
-    log_every: int = arg(1, "iterations between metric lines")
+    log_every: int = arg(10, "iterations between metric lines on stdout (metrics.jsonl gets every iteration)")
     eval_every: int = arg(10, "iterations between evaluations on the fixed prompts (0 = never)")
     save_every: int = arg(10, "iterations between checkpoints (also on SIGTERM and at the end)")
     tracker: str = arg("none", "none | tensorboard | wandb (metrics.jsonl is always written)")
@@ -384,16 +384,19 @@ def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.d
     return adapter(pipe, cfg, dtype)
 
 
-def apply_fsdp(transformer: torch.nn.Module, dtype: torch.dtype) -> None:
+def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """The FSDP2 recipe: shard each transformer block, then the root (which keeps the embeddings and
-    the output layer). Parameters are gathered in `dtype` for compute, gradients reduced in fp32."""
+    the output layer), over a 1-D mesh of all ranks (pure data parallelism, any number of nodes).
+    Parameters are gathered in `dtype` for compute; gradients are reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for name in ("transformer_blocks", "single_transformer_blocks"):  # SD3 has the first, FLUX both
         for block in getattr(transformer, name, []):
-            fully_shard(block, mp_policy=policy)
-    fully_shard(transformer, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(transformer, mesh=mesh, mp_policy=policy)
 
 
 def guided(velocity, uncond: dict, scale: float):
@@ -586,24 +589,21 @@ def peak_memory_gb(device: torch.device) -> float:
 # Rollouts and scoring (shared by training and evaluation)
 
 
-def rollout(cfg: Config, model: SD3, velocity, prompts: list[Prompt], noise: torch.Tensor, reward_fns: dict):
-    """Sample, decode and score B samples (one prompt each) in chunks of rollout_batch_size; images
-    are dropped after scoring. Returns final latents (B, ...), text conditioning (B, ...) and rewards
+@torch.no_grad()
+def rollout(cfg: Config, model: SD3, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor, reward_fns: dict):
+    """Sample, decode and score B samples (prompts[i] with conditioning row i) in chunks of
+    rollout_batch_size; images are dropped after scoring. Returns final latents (B, ...) and rewards
     {name: (B,)}."""
-    x0, conds, scores = [], [], {name: [] for name in reward_fns}
+    x0, scores = [], {name: [] for name in reward_fns}
     for start in range(0, len(prompts), cfg.rollout_batch_size):
-        chunk = prompts[start:start + cfg.rollout_batch_size]
-        texts, metadata = [p.text for p in chunk], [p.metadata for p in chunk]
-        cond = model.encode(texts)
-        with torch.no_grad():
-            x = vgrpo.sample_ode(velocity, noise[start:start + len(chunk)], cond, model.timesteps(), solver=cfg.solver)
-            images = model.decode(x)
-            for name, fn in reward_fns.items():
-                scores[name].append(fn(images, texts, metadata).float())
+        rows = slice(start, start + cfg.rollout_batch_size)
+        x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
+                             solver=cfg.solver)
+        images = model.decode(x)
+        for name, fn in reward_fns.items():
+            scores[name].append(fn(images, [p.text for p in prompts[rows]], [p.metadata for p in prompts[rows]]).float())
         x0.append(x)
-        conds.append(cond)
-    cond = {k: torch.cat([c[k] for c in conds]) for k in conds[0]}
-    return torch.cat(x0), cond, {k: torch.cat(v) for k, v in scores.items()}
+    return torch.cat(x0), {k: torch.cat(v) for k, v in scores.items()}
 
 
 def initial_noise(cfg: Config, model: SD3, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
@@ -651,7 +651,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
     if world > 1:
-        apply_fsdp(transformer, dtype)
+        apply_fsdp(transformer, device, dtype)
     trainable = [p for p in transformer.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     torch.manual_seed(cfg.seed + rank)
@@ -681,8 +681,10 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         # ---------------- 2. rollouts: G samples of each of this rank's prompts, distinct noise each
         chosen = prompts_for_iteration(len(prompts), P, cfg.seed, it)
         batch = [prompts[chosen[g]] for g in groups for _ in range(G)]  # (P_local * G,) group-major
+        # The frozen text encoders run once per prompt; rollouts and every training pass reuse the result.
+        cond = {k: v.repeat_interleave(G, dim=0) for k, v in model.encode([prompts[chosen[g]].text for g in groups]).items()}
         noise = initial_noise(cfg, model, "rollout", it, range(groups[0] * G, (groups[-1] + 1) * G), device)
-        x0, cond, scores = rollout(cfg, model, rollout_velocity, batch, noise, reward_fns)
+        x0, scores = rollout(cfg, model, rollout_velocity, batch, cond, noise, reward_fns)
         timer["rollout"] = time.perf_counter()
         # ---------------- 3. group-shared, stratified (t, eps) pairs: drawn once, reused below
         pairs = [vgrpo.draw_mc_pairs(1, G, K, x0.shape[1:], generator=generator(cfg.seed, "pairs", it, g), t_min=cfg.t_min,
@@ -727,8 +729,9 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
             metrics.update(evaluate(cfg, model, rollout_velocity, eval_prompts, reward_fns, weights, rank, world, device,
                                     run_dir / "samples" / f"iter-{it:06d}.png" if master else None))
-        if it % cfg.log_every == 0 or it == cfg.iterations - 1:
-            tracker.log(it, metrics)
+        tracker.log(it, metrics)
+        if master and (it % cfg.log_every == 0 or it == cfg.iterations - 1):
+            bar.write(f"iter {it}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in STDOUT_METRICS))
         history.append((it, metrics["reward_mean"], metrics.get("eval/reward_mean")))
         bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{metrics['ratio_mean']:.3f}",
                         skipped=int(metrics["skipped_steps"]))
@@ -748,6 +751,10 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         dist.destroy_process_group()
 
 
+STDOUT_METRICS = ("reward_mean", "reward_std", "eval/reward_mean", "ratio_mean", "clipfrac", "approx_kl", "kl",
+                  "grad_norm", "surrogate_cv_within", "frac_zero_std_groups", "images_per_s", "skipped_steps")
+
+
 def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, world, device, grid_path) -> dict:
     """Rewards on the fixed evaluation prompts with fixed noise (one sample per prompt). Every rank runs
     the same number of chunks (the sharded model needs all ranks in each forward); padding is dropped."""
@@ -755,7 +762,8 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
     indices = [(rank * per_rank + i) % len(eval_prompts) for i in range(per_rank)]
     real = torch.tensor([rank * per_rank + i < len(eval_prompts) for i in range(per_rank)], device=device)
     noise = initial_noise(cfg, model, "eval", 0, indices, device)
-    x0, _, scores = rollout(cfg, model, velocity, [eval_prompts[i] for i in indices], noise, reward_fns)
+    chosen = [eval_prompts[i] for i in indices]
+    x0, scores = rollout(cfg, model, velocity, chosen, model.encode([p.text for p in chosen]), noise, reward_fns)
     totals = {n: torch.stack([(s * real).sum(), real.sum().float()]) for n, s in scores.items()}
     if dist.is_initialized():
         for v in totals.values():
