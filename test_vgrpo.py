@@ -1047,3 +1047,57 @@ def test_toy_images_captions_name_the_shape_and_mostly_the_true_colour():
     named = torch.tensor([list(rewards.COLORS).index(c.split()[1]) for c in captions])
     truthful = (torch.cdist(centre, palette).argmin(1) == named).float().mean().item()
     assert 0.7 < truthful < 0.85  # 75% true + 25% random (a random pick is right 1/8 of the time)
+
+
+# ----------------------------------------------------------------------------------------------
+# bench.py
+
+import bench  # noqa: E402
+
+
+def test_flow_grpo_baseline_step_log_prob_is_the_gaussian_density():
+    velocity = lambda z, t, c: 0.3 * z - 1.0  # noqa: E731
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    x_next, log_prob = bench.sde_step(velocity, x, 0.6, 0.5, None, noise_level=0.7, t_cap=0.9,
+                                      generator=torch.Generator().manual_seed(1))
+    v = velocity(x, None, None)
+    sigma = 0.7 * math.sqrt(0.6 / 0.4)
+    mean = x + (v + sigma**2 / 1.2 * (x + 0.4 * v)) * -0.1
+    normal = torch.distributions.Normal(mean, sigma * math.sqrt(0.1))
+    torch.testing.assert_close(log_prob, normal.log_prob(x_next).mean(1))
+    _, again = bench.sde_step(velocity, x, 0.6, 0.5, None, noise_level=0.7, t_cap=0.9, x_next=x_next)
+    torch.testing.assert_close(again, log_prob)
+
+
+def test_flow_grpo_baseline_sde_keeps_the_marginals_of_the_flow():
+    """Data N(m, s^2): the exact velocity is linear in x; the SDE must end at N(m, s^2) like the ODE."""
+    m, s = 1.5, 0.5
+
+    def velocity(x, t, c):
+        t = t[:, None]
+        var = (1 - t) ** 2 * s**2 + t**2
+        return (t - (1 - t) * s**2) / var * (x - (1 - t) * m) - m
+
+    g = torch.Generator().manual_seed(0)
+    ts = vgrpo.flow_timesteps(400).tolist()
+    x = torch.randn(20000, 1, generator=g)
+    for t, t_next in zip(ts[:-1], ts[1:]):
+        x, _ = bench.sde_step(velocity, x, t, t_next, None, noise_level=0.7, t_cap=ts[1], generator=g)
+    assert abs(x.mean().item() - m) < 0.02 and abs(x.std().item() - s) < 0.02
+
+
+def test_bench_gpu_section_runs_at_tiny_sizes_on_cpu():
+    """The GPU section's code path (random transformers, LoRA, activation checkpointing) at toy sizes."""
+    tiny = {
+        "sd3": dict(family="sd3", resolution=32, samples=2, steps=4, text=dict(tokens=12, dim=32, pooled=32), config=dict(
+            sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
+            pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")),
+        "flux": dict(family="flux", resolution=32, samples=2, steps=4, text=dict(tokens=12, dim=32, pooled=16), config=dict(
+            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))),
+    }
+    text, results = bench.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32)
+    assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)}
+    assert all(r["step_s"] > 0 and r["floor_s"] > 0 and math.isfinite(r["ratio"]) for r in results.values())
+    assert text.count("\n| sd3 |") == 2 and text.count("\n| flux |") == 2

@@ -39,6 +39,7 @@ Choices this implementation makes where the paper leaves them open:
 """
 
 import math
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -491,9 +492,11 @@ class ToyConfig:
 
 
 def train_toy(model: ToyFlow, cfg: ToyConfig) -> list[dict[str, float]]:
-    """Algorithm 1 on the toy; returns one metrics dict per iteration (reward before the update)."""
+    """Algorithm 1 on the toy; returns one metrics dict per iteration (reward before the update,
+    seconds since the start after it)."""
     from functools import partial
 
+    start = time.perf_counter()
     g = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     surrogate = partial(elbo_surrogate, model, param=cfg.param, self_normalize=cfg.self_normalize)
@@ -513,7 +516,7 @@ def train_toy(model: ToyFlow, cfg: ToyConfig) -> list[dict[str, float]]:
                                num_grad_steps=cfg.num_grad_steps, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
         frac, dist = toy_mode_stats(x0, c)
         history.append({"reward_mean": rewards.mean().item(), "frac_target_mode": frac, "mode_dist": dist,
-                        **surrogate_cv(s_old.mean(1).view(P, G)), **metrics})
+                        **surrogate_cv(s_old.mean(1).view(P, G)), **metrics, "seconds": time.perf_counter() - start})
     return history
 
 

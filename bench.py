@@ -1,0 +1,478 @@
+"""bench.py: the V-GRPO paper's claims in miniature, measured on this machine.
+
+    python bench.py                      # sections 1-4 on CPU (about 6 minutes on 2 cores); 5 too if CUDA is present
+    python bench.py --sections 2,3       # a subset
+    python bench.py --out results        # where results.md, results.json and the PNG plots go (default)
+
+1. Surrogate statistics: coefficient of variation (CV) of the surrogate, overall and within groups, for the
+   naive surrogate, each variance-reduction trick alone and all three (paper, FLUX: 0.230 -> 0.128 and
+   0.170 -> 0.038), on the 2-D toy flow and on the tiny SD3 transformer fitted to toy images.
+2. Ablations on the 2-D toy (vgrpo.train_toy): each trick off, K = 2 / 4 / 8, parameterisation x / v / eps,
+   and the gradient-step controls (ratio clip, soft clip, KL, none). Several seeds, mean and spread.
+3. V-GRPO against the MDP approach: a Flow-GRPO-style baseline (SDE rollouts, per-step Gaussian log-probs,
+   clipped per-step ratios), written here and nowhere else, on the same toy, reward and model. Model
+   evaluations (forward and backward counted) and wall time to the same reward.
+4. Overhead: one V-GRPO update against the bare forward + backward of the same model on the same
+   tensors; seconds per phase and peak memory from train.py; 1 against 2 processes (torchrun, gloo).
+5. GPU (CUDA only): images/s and step time at the real SD3.5-Medium and FLUX.1-dev transformer sizes
+   (random weights), bf16, LoRA, activation checkpointing off and on; about 5 minutes on one GPU.
+
+Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
+Nothing here was tuned to make V-GRPO win: the toy settings are vgrpo.ToyConfig's defaults.
+"""
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import train
+import vgrpo
+
+SEEDS = (0, 1, 2, 3, 4)
+SUCCESS = 0.9  # a run succeeds once this fraction of its rollouts lands in the requested mode
+
+
+def mean_std(values) -> str:
+    values = np.asarray(values, dtype=float)
+    return f"{values.mean():.3f} ± {values.std():.3f}"
+
+
+def table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def plot(path: Path, curves: dict[str, list[float]], *, title: str, ylabel: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, ys in curves.items():
+        ax.plot(range(len(ys)), ys, label=name)
+    ax.set(title=title, xlabel="iteration", ylabel=ylabel)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Surrogate statistics
+
+VARIANTS = {  # the surrogate with each variance-reduction trick switched on alone, and all together
+    "naive (v-loss, iid pairs)": dict(param="v", self_normalize=False, stratified=False, group_shared=False),
+    "+ group-shared pairs": dict(param="v", self_normalize=False, stratified=False, group_shared=True),
+    "+ stratified t": dict(param="v", self_normalize=False, stratified=True, group_shared=False),
+    "+ adaptive weighting": dict(param="x", self_normalize=True, stratified=False, group_shared=False),
+    "all three (V-GRPO)": dict(param="x", self_normalize=True, stratified=True, group_shared=True),
+}
+
+
+def surrogate_cv(velocity, x0, cond, P, G, K, *, variant: dict, seed: int, draws: int) -> dict[str, float]:
+    """CV of the per-sample surrogate (P, G), averaged over `draws` fresh sets of pairs."""
+    g = torch.Generator().manual_seed(seed)
+    cvs = []
+    for _ in range(draws):
+        t, eps = vgrpo.draw_mc_pairs(P, G, K, x0.shape[1:], generator=g, stratified=variant["stratified"],
+                                     group_shared=variant["group_shared"])
+        with torch.no_grad():
+            s, _ = vgrpo.elbo_surrogate(velocity, x0, cond, t, eps, param=variant["param"],
+                                        self_normalize=variant["self_normalize"])
+        cvs.append(vgrpo.surrogate_cv(s.mean(1).view(P, G)))
+    return {k: float(np.mean([c[k] for c in cvs])) for k in cvs[0]}
+
+
+def toy_samples(model, P, G, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randint(len(vgrpo.TOY_MODES), (P,), generator=g).repeat_interleave(G)
+    return vgrpo.sample_ode(model, torch.randn(P * G, 2, generator=g), c, vgrpo.flow_timesteps(16)), c
+
+
+def tiny_sd3_samples(model, P, G, seed):
+    order = torch.randperm(len(train.TINY_PROMPTS), generator=torch.Generator().manual_seed(seed))
+    prompts = [train.TINY_PROMPTS[i] for i in order[:P]]
+    cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode(prompts).items()}
+    noise = torch.randn(P * G, *model.latent_shape(), generator=torch.Generator().manual_seed(seed))
+    return vgrpo.sample_ode(model.velocity, noise, cond, model.timesteps()), cond
+
+
+def section_surrogate(toy_model, sd3_model) -> tuple[str, dict]:
+    P, G, K = 8, 16, 4
+    results = {}
+    for name, velocity, samples, draws in (("2-D toy", toy_model, partial(toy_samples, toy_model), 20),
+                                           ("tiny SD3 (fitted)", sd3_model.velocity, partial(tiny_sd3_samples, sd3_model), 5)):
+        per_seed = {v: [] for v in VARIANTS}
+        for seed in SEEDS:
+            x0, cond = samples(P, G, seed)
+            for v, variant in VARIANTS.items():
+                per_seed[v].append(surrogate_cv(velocity, x0, cond, P, G, K, variant=variant, seed=seed, draws=draws))
+        results[name] = per_seed
+    rows = [[v] + [mean_std([r[k] for r in results[m][v]]) for m in results for k in ("cv", "cv_within")] for v in VARIANTS]
+    header = ["surrogate"] + [f"{m}: {k}" for m in results for k in ("CV", "within-group CV")]
+    text = (f"P = {P} prompts x G = {G} samples, K = {K}; mean ± std over seeds {SEEDS} (each the average of "
+            f"several pair draws). Paper (FLUX.1-dev): naive 0.230 / 0.170 -> V-GRPO 0.128 / 0.038.\n\n"
+            + table(header, rows))
+    return text, {m: {v: r for v, r in per.items()} for m, per in results.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Ablations on the 2-D toy
+
+ABLATIONS = {
+    "V-GRPO (defaults)": {},
+    "no group-shared pairs": dict(group_shared=False),
+    "no stratified t": dict(stratified=False),
+    "no adaptive weighting (v-loss)": dict(param="v", self_normalize=False),
+    "K = 2": dict(num_mc=2),
+    "K = 8": dict(num_mc=8),
+    "v-prediction, self-normalised": dict(param="v"),
+    "eps-prediction, self-normalised": dict(param="eps"),
+    "x-prediction, not normalised": dict(self_normalize=False),
+    "ratio clip only": dict(soft_clip_eta=None),
+    "soft clip only": dict(clip_eps=None),
+    "KL only (beta 0.3)": dict(clip_eps=None, soft_clip_eta=None, kl_coef=0.3),
+    "no control": dict(clip_eps=None, soft_clip_eta=None),
+}
+
+
+def first_success(history: list[dict]) -> int | None:
+    return next((i for i, h in enumerate(history) if h["frac_target_mode"] >= SUCCESS), None)
+
+
+def section_ablations(toy_model, out: Path) -> tuple[str, dict]:
+    iterations = 60
+    runs = {name: [vgrpo.train_toy(copy.deepcopy(toy_model), vgrpo.ToyConfig(iterations=iterations, seed=s, **over))
+                   for s in SEEDS] for name, over in ABLATIONS.items()}
+    rows = []
+    for name, hs in runs.items():
+        hits = [first_success(h) for h in hs]
+        reached = [i for i in hits if i is not None]
+        rows.append([name, mean_std([h[-1]["reward_mean"] for h in hs]), mean_std([h[-1]["frac_target_mode"] for h in hs]),
+                     mean_std([h[-1]["mode_dist"] for h in hs]),
+                     (mean_std(reached) if reached else "-") + f" ({len(reached)}/{len(hs)})"])
+    groups = {"tricks": list(ABLATIONS)[:4], "K": ["V-GRPO (defaults)", "K = 2", "K = 8"],
+              "parameterisation": ["V-GRPO (defaults)"] + list(ABLATIONS)[6:9],
+              "controls": ["V-GRPO (defaults)"] + list(ABLATIONS)[9:]}
+    for group, names in groups.items():
+        plot(out / f"ablation_{group}.png", {n: np.mean([[h["reward_mean"] for h in run] for run in runs[n]], 0) for n in names},
+             title=f"2-D toy, {group} (mean of {len(SEEDS)} seeds)", ylabel="reward (minus distance to the asked mode)")
+    text = (f"{iterations} iterations of vgrpo.train_toy (ToyConfig defaults: 8 prompts x 16 samples, 16 Euler steps, "
+            f"K = 4, 4 gradient steps per batch, ratio clip 0.01, soft clip 3, Adam 1e-3) from one pretrained model; "
+            f"seeds {SEEDS}. Success = at least {SUCCESS:.0%} of an iteration's rollouts in the requested mode; "
+            "mode distance = mean distance to the nearest mode (the data's is about 0.25: larger means smeared).\n\n"
+            + table(["variant", "final reward", "final fraction in mode", "final mode distance",
+                     "iterations to success (runs reaching it)"], rows))
+    return text, {n: [[h["reward_mean"] for h in run] for run in hs] for n, hs in runs.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Against the MDP approach: a Flow-GRPO-style baseline, here only
+
+
+def sde_step(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float, x_next=None, generator=None):
+    """One Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
+        x' = x + (v + sigma^2 / (2t) (x + (1 - t) v)) dt + sigma sqrt(-dt) z,   sigma = a sqrt(t / (1 - t)),
+    dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score. t_cap keeps sigma finite at t = 1.
+    Draws x' unless given; returns x' and its Gaussian log-density per sample, averaged over dimensions."""
+    v = velocity(x, torch.full((x.shape[0],), t), cond)
+    dt = t_next - t
+    sigma = noise_level * math.sqrt(t / (1 - min(t, t_cap)))
+    mean = x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt
+    std = sigma * math.sqrt(-dt)
+    if x_next is None:
+        x_next = mean + std * torch.randn(x.shape, generator=generator)
+    log_prob = (-((x_next - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
+    return x_next, log_prob
+
+
+def flow_grpo_toy(model, cfg: vgrpo.ToyConfig, *, noise_level: float = 0.7, clip_eps: float = 0.2) -> list[dict]:
+    """Flow-GRPO on the toy: every denoising step is an action with its own ratio; the advantage of the
+    final sample is shared by all its steps; one optimizer step per rollout batch over all steps."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    ts = vgrpo.flow_timesteps(cfg.sampling_steps).tolist()
+    P, G, T = cfg.num_prompts, cfg.group_size, cfg.sampling_steps
+    history, fwd, bwd, start = [], 0, 0, time.perf_counter()
+    for _ in range(cfg.iterations):
+        c = torch.randint(len(vgrpo.TOY_MODES), (P,), generator=g).repeat_interleave(G)
+        x, steps = torch.randn(P * G, 2, generator=g), []
+        with torch.no_grad():
+            for t, t_next in zip(ts[:-1], ts[1:]):
+                x_next, log_prob = sde_step(model, x, t, t_next, c, noise_level=noise_level, t_cap=ts[1], generator=g)
+                steps.append((x, t, t_next, x_next, log_prob))
+                x = x_next
+        rewards = vgrpo.toy_reward(x, c)
+        adv = vgrpo.group_advantages(rewards.view(P, G)).flatten()
+        optimizer.zero_grad()
+        for x_t, t, t_next, x_next, old in steps:
+            _, new = sde_step(model, x_t, t, t_next, c, noise_level=noise_level, t_cap=ts[1], x_next=x_next)
+            ratio = (new - old).exp()
+            loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)).mean() / T
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        fwd, bwd = fwd + 2 * T * P * G, bwd + T * P * G  # rollout + training forwards; training backwards
+        frac, dist = vgrpo.toy_mode_stats(x, c)
+        history.append({"reward_mean": rewards.mean().item(), "frac_target_mode": frac, "mode_dist": dist,
+                        "nfe_fwd": fwd, "nfe_bwd": bwd, "seconds": time.perf_counter() - start})
+    return history
+
+
+def counted_vgrpo_toy(model, cfg: vgrpo.ToyConfig) -> list[dict]:
+    """vgrpo.train_toy with cumulative model evaluations added to its history."""
+    history = vgrpo.train_toy(model, cfg)
+    per_iteration = cfg.num_prompts * cfg.group_size
+    for i, h in enumerate(history, 1):
+        # Per sample: rollout (sampling_steps) and old-policy pass (K) forwards, then K forwards and K
+        # backwards in the one mini-batch that holds it.
+        h.update(nfe_fwd=i * per_iteration * (cfg.sampling_steps + 2 * cfg.num_mc), nfe_bwd=i * per_iteration * cfg.num_mc)
+    return history
+
+
+def section_mdp(toy_model, out: Path) -> tuple[str, dict]:
+    iterations = 100
+    cfg = partial(vgrpo.ToyConfig, iterations=iterations)
+    rows, curves, ratios = [], {}, {"NFE": [], "seconds": []}
+    for seed in SEEDS:
+        ours = counted_vgrpo_toy(copy.deepcopy(toy_model), cfg(seed=seed))
+        base = flow_grpo_toy(copy.deepcopy(toy_model), cfg(seed=seed))
+        for name, h in (("V-GRPO", ours), ("Flow-GRPO-style", base)):
+            curves.setdefault(name, []).append([x["reward_mean"] for x in h])
+            hit = first_success(h)
+            rows.append([name, seed, "-" if hit is None else hit,
+                         "-" if hit is None else h[hit]["nfe_fwd"] + h[hit]["nfe_bwd"],
+                         "-" if hit is None else f"{h[hit]['seconds']:.1f}", f"{h[-1]['frac_target_mode']:.3f}",
+                         f"{h[-1]['mode_dist']:.3f}"])
+        a, b = first_success(ours), first_success(base)
+        if a is not None and b is not None:
+            ratios["NFE"].append((base[b]["nfe_fwd"] + base[b]["nfe_bwd"]) / (ours[a]["nfe_fwd"] + ours[a]["nfe_bwd"]))
+            ratios["seconds"].append(base[b]["seconds"] / ours[a]["seconds"])
+    plot(out / "mdp_baseline.png", {n: np.mean(c, 0) for n, c in curves.items()},
+         title="2-D toy: V-GRPO vs Flow-GRPO-style (mean of seeds)", ylabel="reward")
+    summary = ("Flow-GRPO-style / V-GRPO cost to success: "
+               + (f"NFE x{mean_std(ratios['NFE'])}, wall time x{mean_std(ratios['seconds'])} "
+                  f"({len(ratios['NFE'])} of {len(SEEDS)} seeds reached success with both)" if ratios["NFE"]
+                  else "not comparable (a method never reached success)"))
+    text = (f"Same pretrained toy model, reward, prompts per iteration (8 x 16), 16 sampling steps and Adam 1e-3; "
+            f"up to {iterations} iterations. V-GRPO: ToyConfig defaults (ODE rollouts, K = 4, 4 gradient steps per "
+            "batch). Flow-GRPO-style: SDE rollouts (noise level 0.7), a clipped ratio (0.2) per denoising step, one "
+            "optimizer step per batch over all 16 steps, no KL. NFE = forward + backward model evaluations "
+            f"until the first iteration with at least {SUCCESS:.0%} of rollouts in the requested mode.\n\n"
+            + table(["method", "seed", "iterations to success", "NFE to success", "seconds to success",
+                     "final fraction in mode", "final mode distance"], rows) + "\n\n" + summary)
+    return text, {"ratios": ratios, "curves": {n: [list(map(float, c)) for c in cs] for n, cs in curves.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Overhead
+
+
+def median_seconds(fn, repeats: int = 10) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def update_vs_floor(model, *, samples: int, num_mc: int, lora_rank: int, grad_checkpointing: bool, device) -> dict:
+    """Seconds for one vgrpo_update on `samples` rollouts against the bare forward + backward of the same
+    model on the same (samples * K) noised inputs. `model` is a train.py adapter (velocity, latent_shape)."""
+    transformer = model.transformer
+    if lora_rank:
+        from peft import LoraConfig
+
+        transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
+                                           target_modules=train.Config().lora_targets.split(",")))
+    else:
+        transformer.requires_grad_(True)
+    if grad_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(samples, *model.latent_shape(), generator=g).to(device)
+    cond = {k: v.repeat_interleave(samples, 0).to(device) for k, v in model.cond_template.items()}
+    t, eps = vgrpo.draw_mc_pairs(1, samples, num_mc, x0.shape[1:], generator=g)
+    t, eps = t.to(device), eps.to(device)
+    surrogate = partial(vgrpo.elbo_surrogate, model.velocity)
+    with torch.no_grad():
+        s_old, _ = surrogate(x0, cond, t, eps)
+    rollouts = vgrpo.Rollouts(x0, cond, torch.randn(samples, generator=g).to(device), t, eps, s_old)
+    rows = torch.arange(samples).repeat_interleave(num_mc).to(device)
+    tb = t.flatten().view(-1, *[1] * (x0.dim() - 1))
+    z = (1 - tb) * x0[rows] + tb * eps.flatten(0, 1)
+    cond_rows = {k: v[rows] for k, v in cond.items()}
+
+    def floor():
+        model.velocity(z, t.flatten(), cond_rows).square().mean().backward()
+        transformer.zero_grad(set_to_none=True)
+
+    def step():
+        vgrpo.vgrpo_update(surrogate, optimizer, rollouts, micro_batch_size=samples)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    floor_s = median_seconds(lambda: (floor(), sync()), repeats=5)
+    step_s = median_seconds(lambda: (step(), sync()), repeats=5)
+    return {"floor_s": floor_s, "step_s": step_s, "ratio": step_s / floor_s}
+
+
+def tiny_model(fit_steps: int = 0) -> train.SD3:
+    """The tiny SD3 pipeline of train.py behind its adapter, plus one prompt's conditioning as a template."""
+    model = train.SD3(train.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), train.Config(), torch.float32)
+    model.cond_template = model.encode(["a red car"])
+    return model
+
+
+def run_train(args: list[str], nproc: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as run_dir:
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc > 1 else []
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
+        subprocess.run([sys.executable, *launcher, str(Path(__file__).with_name("train.py")), "--run_dir", run_dir, *args],
+                       check=True, capture_output=True, env=env)
+        return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def section_overhead() -> tuple[str, dict]:
+    ratio = update_vs_floor(tiny_model(), samples=16, num_mc=4, lora_rank=32, grad_checkpointing=False,
+                            device=torch.device("cpu"))
+    args = ["--tiny_fit_steps", "0", "--iterations", "6", "--eval_every", "0", "--save_every", "1000",
+            "--num_prompts", "4", "--group_size", "8", "--micro_batch_size", "8", "--rollout_batch_size", "16"]
+    phases = {n: run_train(args, n)[1:] for n in (1, 2)}  # iteration 0 includes warm-up
+    keys = ["time_rollout", "time_reward", "time_old_surrogate", "time_update", "images_per_s", "peak_memory_gb"]
+    rows = [[f"{n} process{'es' if n > 1 else ''}"] + [f"{np.mean([m[k] for m in ms]):.3f}" for k in keys]
+            for n, ms in phases.items()]
+    text = (f"One vgrpo_update (16 samples x K = 4, LoRA r 32, AdamW) on the tiny SD3 transformer: {ratio['step_s'] * 1e3:.1f} ms "
+            f"against {ratio['floor_s'] * 1e3:.1f} ms for the bare forward + backward of the same model on the same 64 "
+            f"noised inputs: x{ratio['ratio']:.2f}.\n\n"
+            "train.py on the tiny SD3 model (random weights, 4 prompts x 8 samples, 8 Euler steps, K = 4), mean of "
+            "iterations 1-5; peak memory is the peak resident set of rank 0 on CPU.\n\n"
+            + table(["run"] + keys, rows))
+    return text, {"update_vs_floor": ratio, "phases": {n: ms for n, ms in phases.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. GPU: the paper's model sizes, random weights
+
+REAL_SIZES = {
+    # SD3.5-Medium: MMDiT-X, 24 blocks of width 1536, dual attention in the first 13, 512 px -> 64 x 64 latents.
+    "sd35m": dict(family="sd3", resolution=512, samples=8, steps=40, config=dict(
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+        pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+        text=dict(tokens=333, dim=4096, pooled=2048)),
+    # FLUX.1-dev: 19 double + 38 single blocks of width 3072, 720 px -> 45 x 45 packed latents.
+    "flux": dict(family="flux", resolution=720, samples=2, steps=16, config=dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56)), text=dict(tokens=512, dim=4096, pooled=768)),
+}
+
+
+class RandomModel:
+    """A train.py adapter around a random transformer, with random text embeddings in place of encoders."""
+
+    def __init__(self, spec: dict, device, dtype):
+        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+        cls = SD3Transformer2DModel if spec["family"] == "sd3" else FluxTransformer2DModel
+        with torch.device(device):
+            self.transformer = cls(**spec["config"]).to(dtype).eval()
+        self.transformer.requires_grad_(False)
+        if dist.is_initialized():  # under torchrun: FSDP2 over the visible GPUs, as train.py does
+            train.apply_fsdp(self.transformer, device, dtype)
+        pipe = types.SimpleNamespace(transformer=self.transformer, vae_scale_factor=8)  # all the adapter reads
+        adapter = (train.SD3 if spec["family"] == "sd3" else train.Flux)(pipe, train.Config(resolution=spec["resolution"]), dtype)
+        self.velocity, self.latent_shape = adapter.velocity, adapter.latent_shape
+        text = spec["text"]
+        self.cond_template = {"embeds": torch.randn(1, text["tokens"], text["dim"]),
+                              "pooled": torch.randn(1, text["pooled"])}
+
+
+def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16) -> tuple[str, dict]:
+    device = device or torch.device("cuda")
+    rows, results = [], {}
+    for name, spec in sizes.items():
+        for ckpt in (False, True):
+            model = RandomModel(spec, device, dtype)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            cond = {k: v.expand(spec["samples"], *v.shape[1:]).to(device) for k, v in model.cond_template.items()}
+            noise = torch.randn(spec["samples"], *model.latent_shape(), device=device)
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            with torch.no_grad():
+                nfe_s = median_seconds(lambda: (model.velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
+                                                sync()), repeats=3)
+            step = update_vs_floor(model, samples=spec["samples"], num_mc=4, lora_rank=32, grad_checkpointing=ckpt,
+                                   device=device)
+            memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            results[f"{name} ckpt={ckpt}"] = dict(nfe_s=nfe_s, memory_gb=memory, **step)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append([name, "on" if ckpt else "off", spec["samples"], f"{nfe_s * 1e3:.0f}",
+                         f"{spec['samples'] / (nfe_s * spec['steps']):.2f}", f"{step['step_s'] * 1e3:.0f}",
+                         f"{step['ratio']:.2f}", f"{memory:.1f}"])
+    text = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else device}, {dtype}, random weights, LoRA r 32, "
+            "K = 4; rollout images/s = batch / (one forward x the preset's sampling steps: 40 for SD3.5-M, 16 for "
+            "FLUX).\n\n"
+            + table(["model", "activation ckpt", "batch", "ms per forward", "rollout images/s", "ms per update",
+                     "update / (fwd + bwd)", "peak GiB"], rows))
+    return text, results
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers")
+    parser.add_argument("--out", default="results", help="output directory")
+    args = parser.parse_args()
+    sections = {int(s) for s in args.sections.split(",")}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    report, data = [f"# bench.py results ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__})"], {}
+    toy_model = vgrpo.pretrain_toy_flow() if sections & {1, 2, 3} else None
+    jobs = {
+        1: ("1. Surrogate statistics", lambda: section_surrogate(toy_model, tiny_model(fit_steps=250))),
+        2: ("2. Ablations on the 2-D toy", lambda: section_ablations(toy_model, out)),
+        3: ("3. V-GRPO against a Flow-GRPO-style MDP baseline", lambda: section_mdp(toy_model, out)),
+        4: ("4. Overhead", section_overhead),
+        5: ("5. GPU throughput at the paper's model sizes", section_gpu),
+    }
+    for number in sorted(sections):
+        title, job = jobs[number]
+        if number == 5 and not torch.cuda.is_available():
+            report.append(f"## {title}\n\nSkipped: no CUDA device.")
+            continue
+        start = time.perf_counter()
+        text, data[title] = job()
+        report.append(f"## {title}\n\n{text}\n\n({time.perf_counter() - start:.0f} s)")
+        print(report[-1], flush=True)
+    (out / "results.md").write_text("\n\n".join(report) + "\n")
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=float))
+
+
+if __name__ == "__main__":
+    main()
