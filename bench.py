@@ -294,9 +294,11 @@ def median_seconds(fn, repeats: int = 10) -> float:
     return float(np.median(times))
 
 
-def update_vs_floor(model, *, samples: int, num_mc: int, lora_rank: int, grad_checkpointing: bool, device) -> dict:
+def update_vs_floor(model, cond: dict, *, samples: int, num_mc: int, lora_rank: int, grad_checkpointing: bool,
+                    device) -> dict:
     """Seconds for one vgrpo_update on `samples` rollouts against the bare forward + backward of the same
-    model on the same (samples * K) noised inputs. `model` is a train.py adapter (velocity, latent_shape)."""
+    model on the same (samples * K) noised inputs. `model` is a train.py adapter (velocity, latent_shape,
+    transformer, which gets the LoRA adapter); cond is one prompt's conditioning, shared by all samples."""
     transformer = model.transformer
     if lora_rank:
         from peft import LoraConfig
@@ -311,7 +313,7 @@ def update_vs_floor(model, *, samples: int, num_mc: int, lora_rank: int, grad_ch
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     g = torch.Generator().manual_seed(0)
     x0 = torch.randn(samples, *model.latent_shape(), generator=g).to(device)
-    cond = {k: v.repeat_interleave(samples, 0).to(device) for k, v in model.cond_template.items()}
+    cond = {k: v.repeat_interleave(samples, 0).to(device) for k, v in cond.items()}
     t, eps = vgrpo.draw_mc_pairs(1, samples, num_mc, x0.shape[1:], generator=g)
     t, eps = t.to(device), eps.to(device)
     surrogate = partial(vgrpo.elbo_surrogate, model.velocity)
@@ -337,10 +339,8 @@ def update_vs_floor(model, *, samples: int, num_mc: int, lora_rank: int, grad_ch
 
 
 def tiny_model(fit_steps: int = 0) -> train.SD3:
-    """The tiny SD3 pipeline of train.py behind its adapter, plus one prompt's conditioning as a template."""
-    model = train.SD3(train.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), train.Config(), torch.float32)
-    model.cond_template = model.encode(["a red car"])
-    return model
+    """The tiny SD3 pipeline of train.py behind its adapter."""
+    return train.SD3(train.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), train.Config(), torch.float32)
 
 
 def run_train(args: list[str], nproc: int) -> list[dict]:
@@ -353,8 +353,9 @@ def run_train(args: list[str], nproc: int) -> list[dict]:
 
 
 def section_overhead() -> tuple[str, dict]:
-    ratio = update_vs_floor(tiny_model(), samples=16, num_mc=4, lora_rank=32, grad_checkpointing=False,
-                            device=torch.device("cpu"))
+    model = tiny_model()
+    ratio = update_vs_floor(model, model.encode(["a red car"]), samples=16, num_mc=4, lora_rank=32,
+                            grad_checkpointing=False, device=torch.device("cpu"))
     args = ["--tiny_fit_steps", "0", "--iterations", "6", "--eval_every", "0", "--save_every", "1000",
             "--num_prompts", "4", "--group_size", "8", "--micro_batch_size", "8", "--rollout_batch_size", "16"]
     phases = {n: run_train(args, n)[1:] for n in (1, 2)}  # iteration 0 includes warm-up
@@ -422,8 +423,8 @@ def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16) -> 
             with torch.no_grad():
                 nfe_s = median_seconds(lambda: (model.velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
                                                 sync()), repeats=3)
-            step = update_vs_floor(model, samples=spec["samples"], num_mc=4, lora_rank=32, grad_checkpointing=ckpt,
-                                   device=device)
+            step = update_vs_floor(model, model.cond_template, samples=spec["samples"], num_mc=4, lora_rank=32,
+                                   grad_checkpointing=ckpt, device=device)
             memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
             results[f"{name} ckpt={ckpt}"] = dict(nfe_s=nfe_s, memory_gb=memory, **step)
             del model

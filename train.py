@@ -274,13 +274,32 @@ def generator(seed: int, *keys: int | str) -> torch.Generator:
 # Model adapters: everything family-specific sits behind encode / velocity / decode / timesteps
 
 
-class SD3:
-    """StableDiffusion3Pipeline (SD3, SD3.5): latents (B, C, H/8, W/8); timestep in [0, 1000]."""
+class FlowAdapter:
+    """What train.py needs from a pipeline family: encode, velocity, latent_shape, timesteps, decode."""
 
-    pipeline_class = "StableDiffusion3Pipeline"
+    pipeline_class = ""
 
     def __init__(self, pipe, cfg: Config, dtype: torch.dtype):
         self.pipe, self.transformer, self.cfg, self.dtype = pipe, pipe.transformer, cfg, dtype
+
+    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents -> images (B, 3, H, W) in [0, 1]."""
+        vae = self.pipe.vae
+        latents = self.to_vae_latents(x) / vae.config.scaling_factor + vae.config.shift_factor
+        return (vae.decode(latents.to(vae.dtype), return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+
+
+class SD3(FlowAdapter):
+    """StableDiffusion3Pipeline (SD3, SD3.5): latents (B, C, H/8, W/8); timestep in [0, 1000]."""
+
+    pipeline_class = "StableDiffusion3Pipeline"
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict:
@@ -302,21 +321,8 @@ class SD3:
     def timesteps(self) -> torch.Tensor:
         return vgrpo.flow_timesteps(self.cfg.sampling_steps, shift=self.pipe.scheduler.config.shift)
 
-    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        return x
 
-    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    @torch.no_grad()
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents -> images (B, 3, H, W) in [0, 1]."""
-        vae = self.pipe.vae
-        latents = self.to_vae_latents(x) / vae.config.scaling_factor + vae.config.shift_factor
-        return (vae.decode(latents.to(vae.dtype), return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
-
-
-class Flux(SD3):
+class Flux(FlowAdapter):
     """FluxPipeline (FLUX.1): latents packed in 2x2 patches (B, H/16 * W/16, 4C), position ids, guidance
     embedding; timestep in [0, 1]; time shift exp(mu), mu growing with the number of image tokens."""
 
@@ -361,14 +367,17 @@ class Flux(SD3):
         return x.view(B, c, g, 2, g, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, c * 4)
 
 
+ADAPTERS = {"sd3": SD3, "flux": Flux}
+
+
 def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype) -> SD3:
+def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype) -> FlowAdapter:
     import diffusers
 
-    adapter = {"sd3": SD3, "flux": Flux}[family]
+    adapter = ADAPTERS[family]
     if cfg.model in TINY_MODELS:
         pipe = tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps)
     else:
@@ -512,7 +521,7 @@ def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
     return json.loads((path / "state.json").read_text())["iteration"] + 1
 
 
-def export_final(out: Path, model: SD3, lora: bool, rank: int) -> None:
+def export_final(out: Path, model: FlowAdapter, lora: bool, rank: int) -> None:
     """LoRA in the diffusers LoRA format (pipe.load_lora_weights) or the full transformer
     (from_pretrained), gathered from the shards onto rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -590,7 +599,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def rollout(cfg: Config, model: SD3, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor, reward_fns: dict):
+def rollout(cfg: Config, model: FlowAdapter, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor, reward_fns: dict):
     """Sample, decode and score B samples (prompts[i] with conditioning row i) in chunks of
     rollout_batch_size; images are dropped after scoring. Returns final latents (B, ...) and rewards
     {name: (B,)}."""
@@ -606,7 +615,7 @@ def rollout(cfg: Config, model: SD3, velocity, prompts: list[Prompt], cond: dict
     return torch.cat(x0), {k: torch.cat(v) for k, v in scores.items()}
 
 
-def initial_noise(cfg: Config, model: SD3, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
+def initial_noise(cfg: Config, model: FlowAdapter, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
     """Rollout noise: one generator per GLOBAL sample index, so every sample's noise differs and does
     not depend on how samples are spread over ranks."""
     shape = model.latent_shape()
@@ -871,7 +880,7 @@ def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
         if isinstance(module, torch.nn.Module):
             module.eval()  # fresh models are in train mode: T5 dropout would make the text embeddings random
     if fit_steps:
-        fit_tiny_pipeline(pipe, {"sd3": SD3, "flux": Flux}[family], steps=fit_steps, seed=seed)
+        fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed)
     return pipe
 
 

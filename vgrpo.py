@@ -41,6 +41,7 @@ Choices this implementation makes where the paper leaves them open:
 import math
 import time
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -494,8 +495,6 @@ class ToyConfig:
 def train_toy(model: ToyFlow, cfg: ToyConfig) -> list[dict[str, float]]:
     """Algorithm 1 on the toy; returns one metrics dict per iteration (reward before the update,
     seconds since the start after it)."""
-    from functools import partial
-
     start = time.perf_counter()
     g = torch.Generator().manual_seed(cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
