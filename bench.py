@@ -1,6 +1,6 @@
 """bench.py: the V-GRPO paper's claims in miniature, measured on this machine.
 
-    python bench.py                      # sections 1-4 on CPU (about 6 minutes on 2 cores); 5 too if CUDA is present
+    python bench.py                      # sections 1-4 on CPU (about 3.5 minutes on 2 cores); 5 too if CUDA is present
     python bench.py --sections 2,3       # a subset
     python bench.py --out results        # where results.md, results.json and the PNG plots go (default)
 
@@ -284,18 +284,22 @@ def section_mdp(toy_model, out: Path) -> tuple[str, dict]:
 # 4. Overhead
 
 
-def median_seconds(fn, repeats: int = 10) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_seconds(*fns, repeats: int = 10) -> list[float]:
+    """Median wall time of each function, calls interleaved so that drift (clock, caches, other load)
+    affects all of them alike. Each is called once first as a warm-up."""
+    times = [[] for _ in fns]
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    for _ in range(repeats):
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - start)
+    return [float(np.median(ts)) for ts in times]
 
 
 def update_vs_floor(model, cond: dict, *, samples: int, num_mc: int, lora_rank: int, grad_checkpointing: bool,
-                    device) -> dict:
+                    device, repeats: int = 5) -> dict:
     """Seconds for one vgrpo_update on `samples` rollouts against the bare forward + backward of the same
     model on the same (samples * K) noised inputs. `model` is a train.py adapter (velocity, latent_shape,
     transformer, which gets the LoRA adapter); cond is one prompt's conditioning, shared by all samples."""
@@ -333,8 +337,7 @@ def update_vs_floor(model, cond: dict, *, samples: int, num_mc: int, lora_rank: 
         vgrpo.vgrpo_update(surrogate, optimizer, rollouts, micro_batch_size=samples)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    floor_s = median_seconds(lambda: (floor(), sync()), repeats=5)
-    step_s = median_seconds(lambda: (step(), sync()), repeats=5)
+    floor_s, step_s = median_seconds(lambda: (floor(), sync()), lambda: (step(), sync()), repeats=repeats)
     return {"floor_s": floor_s, "step_s": step_s, "ratio": step_s / floor_s}
 
 
@@ -355,14 +358,15 @@ def run_train(args: list[str], nproc: int) -> list[dict]:
 def section_overhead() -> tuple[str, dict]:
     model = tiny_model()
     ratio = update_vs_floor(model, model.encode(["a red car"]), samples=16, num_mc=4, lora_rank=32,
-                            grad_checkpointing=False, device=torch.device("cpu"))
+                            grad_checkpointing=False, device=torch.device("cpu"), repeats=41)
     args = ["--tiny_fit_steps", "0", "--iterations", "6", "--eval_every", "0", "--save_every", "1000",
             "--num_prompts", "4", "--group_size", "8", "--micro_batch_size", "8", "--rollout_batch_size", "16"]
     phases = {n: run_train(args, n)[1:] for n in (1, 2)}  # iteration 0 includes warm-up
     keys = ["time_rollout", "time_reward", "time_old_surrogate", "time_update", "images_per_s", "peak_memory_gb"]
     rows = [[f"{n} process{'es' if n > 1 else ''}"] + [f"{np.mean([m[k] for m in ms]):.3f}" for k in keys]
             for n, ms in phases.items()]
-    text = (f"One vgrpo_update (16 samples x K = 4, LoRA r 32, AdamW) on the tiny SD3 transformer: {ratio['step_s'] * 1e3:.1f} ms "
+    text = (f"One vgrpo_update (16 samples x K = 4, LoRA r 32, AdamW; median of 41) on the tiny SD3 transformer: "
+            f"{ratio['step_s'] * 1e3:.1f} ms "
             f"against {ratio['floor_s'] * 1e3:.1f} ms for the bare forward + backward of the same model on the same 64 "
             f"noised inputs: x{ratio['ratio']:.2f}.\n\n"
             "train.py on the tiny SD3 model (random weights, 4 prompts x 8 samples, 8 Euler steps, K = 4), mean of "
@@ -421,8 +425,8 @@ def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16) -> 
             noise = torch.randn(spec["samples"], *model.latent_shape(), device=device)
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             with torch.no_grad():
-                nfe_s = median_seconds(lambda: (model.velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
-                                                sync()), repeats=3)
+                nfe_s, = median_seconds(lambda: (model.velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
+                                                 sync()), repeats=3)
             step = update_vs_floor(model, model.cond_template, samples=spec["samples"], num_mc=4, lora_rank=32,
                                    grad_checkpointing=ckpt, device=device)
             memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
