@@ -424,17 +424,14 @@ class HttpReward:
         return torch.tensor(scores, dtype=torch.float32)
 
 
-def http(*, device: str = "cpu", url: str = "http://127.0.0.1:8000", timeout: float = 300.0, retries: int = 3) -> Reward:
-    """Any reward behind the HTTP protocol. (device: unused, the server owns the model.)"""
-    return HttpReward(url, timeout=timeout, retries=retries)
+def http_factory(port: int, what: str) -> Callable[..., Reward]:
+    """A registry factory for a reward served over HTTP on 127.0.0.1:port unless `url` says otherwise."""
 
-
-def _http_default(port: int, what: str) -> Callable[..., Reward]:
     def factory(*, device: str = "cpu", url: str = f"http://127.0.0.1:{port}", timeout: float = 300.0,
                 retries: int = 3) -> Reward:
         return HttpReward(url, timeout=timeout, retries=retries)
 
-    factory.__doc__ = f"{what}, served over HTTP (default http://127.0.0.1:{port}). (device: unused.)"
+    factory.__doc__ = f"{what}, served over HTTP (default http://127.0.0.1:{port}). (device: unused, the server owns the model.)"
     return factory
 
 
@@ -490,10 +487,10 @@ REWARDS: dict[str, Callable[..., Reward]] = {
     "hpsv21": hpsv21,
     "aesthetic": aesthetic,
     "imagereward": imagereward,
-    "ocr": _http_default(18081, "OCR accuracy (1 - normalised edit distance, e.g. PaddleOCR)"),
-    "geneval": _http_default(18082, "GenEval (object detector; needs the prompt metadata)"),
-    "unifiedreward": _http_default(18083, "UnifiedReward (a VLM judge)"),
-    "http": http,
+    "ocr": http_factory(18081, "OCR accuracy (1 - normalised edit distance, e.g. PaddleOCR)"),
+    "geneval": http_factory(18082, "GenEval (object detector; needs the prompt metadata)"),
+    "unifiedreward": http_factory(18083, "UnifiedReward (a VLM judge)"),
+    "http": http_factory(8000, "Any reward behind the HTTP protocol"),
 }
 
 
