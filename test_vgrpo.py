@@ -925,14 +925,24 @@ def test_torchrun_fsdp2_two_processes_match_one_process(tiny_dirs, sd3_run, tmp_
         # Same data: rollouts, rewards and advantages are world-size independent.
         for key in ("reward_mean", "reward_std", "frac_zero_std_groups", "surrogate_cv", "eval/reward_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
-        # Rounding differs with batch sizes (the text encoder sees 1 vs 2 prompts), so rewards differ by an ULP,
-        # and advantages divide that by a within-group std of ~0.002: the loss agrees to ~1e-5, not exactly.
-        # A model that differs across ranks (e.g. LoRA initialised per rank) is off by percents.
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
-    # Adam moves each weight by about lr = 1e-3 per step whatever the gradient's size: allow a tenth of a step.
-    for k, v in lora_weights(sd3_run).items():
-        torch.testing.assert_close(lora_weights(tmp_path)[k], v, rtol=0, atol=1e-4)
+    # Iteration 0 runs on the initial weights, before any optimizer step, so it compares the model itself.
+    # Rounding differs with batch sizes (the text encoder sees 1 vs 2 prompts), so rewards differ by an ULP and
+    # advantages divide that by a within-group std of ~0.002: loss and gradient agree to ~1e-5 relative. A model
+    # that differs across ranks (e.g. LoRA initialised per rank: FSDP2 then shards a mix of two models) is off
+    # by percents.
+    assert two[0]["loss"] == pytest.approx(one[0]["loss"], abs=1e-4)
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=1e-3)
+    # After a step no element-wise tolerance is safe: Adam moves each weight by ~lr whatever its gradient's size,
+    # so where a gradient component is near 0, ULP-level noise flips the sign of an lr-sized step (seen: 1 element
+    # in 1024 off by 1.03e-4). Compare the whole update instead. lora_B starts at 0 in both runs, so it IS the
+    # update: sign flips of a few near-zero components move its norm by sqrt(flipped fraction), a per-rank model
+    # mismatch decorrelates it (relative difference ~1).
+    b_one = torch.cat([v.flatten() for k, v in sorted(lora_weights(sd3_run).items()) if "lora_B" in k])
+    b_two = torch.cat([v.flatten() for k, v in sorted(lora_weights(tmp_path).items()) if "lora_B" in k])
+    assert b_one.norm() > 0 and ((b_two - b_one).norm() / b_one.norm()).item() < 0.05
+    a_one = torch.cat([v.flatten() for k, v in sorted(lora_weights(sd3_run).items()) if "lora_A" in k])
+    a_two = torch.cat([v.flatten() for k, v in sorted(lora_weights(tmp_path).items()) if "lora_A" in k])
+    assert ((a_two - a_one).norm() / a_one.norm()).item() < 0.05  # same initialisation + close updates
 
 
 def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dirs, sd3_run, tmp_path):
