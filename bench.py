@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import models
 import train
 import vgrpo
 
@@ -106,8 +107,8 @@ def toy_samples(model, P, G, seed):
 
 
 def tiny_sd3_samples(model, P, G, seed):
-    order = torch.randperm(len(train.TINY_PROMPTS), generator=torch.Generator().manual_seed(seed))
-    prompts = [train.TINY_PROMPTS[i] for i in order[:P]]
+    order = torch.randperm(len(models.TINY_PROMPTS), generator=torch.Generator().manual_seed(seed))
+    prompts = [models.TINY_PROMPTS[i] for i in order[:P]]
     cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode(prompts).items()}
     noise = torch.randn(P * G, *model.latent_shape(), generator=torch.Generator().manual_seed(seed))
     return vgrpo.sample_ode(model.velocity, noise, cond, model.timesteps()), cond
@@ -341,9 +342,11 @@ def update_vs_floor(model, cond: dict, *, samples: int, num_mc: int, lora_rank: 
     return {"floor_s": floor_s, "step_s": step_s, "ratio": step_s / floor_s}
 
 
-def tiny_model(fit_steps: int = 0) -> train.SD3:
+def tiny_model(fit_steps: int = 0) -> models.SD3:
     """The tiny SD3 pipeline of train.py behind its adapter."""
-    return train.SD3(train.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), train.Config(), torch.float32)
+    cfg = train.Config()
+    return models.SD3(models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), resolution=cfg.resolution,
+                      sampling_steps=cfg.sampling_steps, max_sequence_length=cfg.max_sequence_length)
 
 
 def run_train(args: list[str], nproc: int) -> list[dict]:
@@ -406,7 +409,8 @@ class RandomModel:
         if dist.is_initialized():  # under torchrun: FSDP2 over the visible GPUs, as train.py does
             train.apply_fsdp(self.transformer, device, dtype)
         pipe = types.SimpleNamespace(transformer=self.transformer, vae_scale_factor=8)  # all the adapter reads
-        adapter = (train.SD3 if spec["family"] == "sd3" else train.Flux)(pipe, train.Config(resolution=spec["resolution"]), dtype)
+        adapter = models.ADAPTERS[spec["family"]](pipe, dtype, resolution=spec["resolution"], sampling_steps=spec["steps"],
+                                                  max_sequence_length=spec["text"]["tokens"])
         self.velocity, self.latent_shape = adapter.velocity, adapter.latent_shape
         text = spec["text"]
         self.cond_template = {"embeds": torch.randn(1, text["tokens"], text["dim"]),

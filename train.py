@@ -14,10 +14,11 @@ Data parallelism: the num_prompts groups of an iteration are split over the rank
 a group's G samples and its shared (t, eps) pairs live on one rank. Rewards are all-gathered before
 the advantages, which are computed for the global batch on every rank (global std, logging).
 
-Choices beyond vgrpo.py's: rollouts integrate the ODE with vgrpo.sample_ode on the pipeline's
-shifted sigma grid linspace(1, 0, steps + 1) (solver "euler" is exactly the FlowMatchEuler step;
-SD3's own pipeline grid would stop at t = 1/1000 instead of 1/steps); the transformer stays in eval
-mode (no dropout), so the old-policy pass and the first gradient pass agree exactly.
+Choices beyond vgrpo.py's: rollouts integrate the ODE with vgrpo.sample_ode on the sigma grid the
+pipeline's own __call__ uses (its scheduler, shift and resolution-dependent mu), so solver "euler" is
+exactly `pipe(prompt, num_inference_steps=N)` from the same noise. Trainable weights are float32 master
+weights whatever --dtype the compute runs in. The transformer stays in eval mode (no dropout), so the
+old-policy pass and the first gradient pass agree exactly.
 """
 
 import argparse
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import models
 import rewards
 import vgrpo
 
@@ -71,7 +73,7 @@ class Config:
     sampling_steps: int = arg(8, "ODE steps per rollout")
     solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step)")
     cfg_scale: float = arg(1.0, "SD3 classifier-free guidance for rollouts only; 1 = off, as in the paper")
-    flux_guidance: float = arg(3.5, "FLUX.1-dev distilled-guidance embedding value")
+    flux_guidance: float = arg(3.5, "FLUX.1-dev distilled-guidance embedding value (unused by models without one, e.g. schnell)")
     # --- V-GRPO (names as in vgrpo.py)
     num_prompts: int = arg(8, "prompts (groups) per iteration, global")
     group_size: int = arg(8, "G: samples per prompt")
@@ -124,8 +126,6 @@ PRESETS = {
                  lora_rank=32, lora_alpha=64, iterations=300, micro_batch_size=2, rollout_batch_size=12,
                  grad_checkpointing=True),
 }
-TINY_MODELS = {"tiny": "sd3", "tiny-flux": "flux"}
-PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 
 
 class ConfigError(ValueError):
@@ -195,14 +195,14 @@ def validate(cfg: Config, world_size: int) -> str:
     family = model_family(cfg.model)
     if family == "flux" and cfg.cfg_scale != 1.0:
         raise ConfigError("--cfg_scale applies to SD3 only; FLUX.1-dev uses --flux_guidance")
-    if not cfg.prompts and cfg.model not in TINY_MODELS:
+    if not cfg.prompts and cfg.model not in models.TINY_MODELS:
         raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
     return family
 
 
 def model_family(model: str) -> str:
-    if model in TINY_MODELS:
-        return TINY_MODELS[model]
+    if model in models.TINY_MODELS:
+        return models.TINY_MODELS[model]
     if os.path.isdir(model):
         index = Path(model) / "model_index.json"
         if not index.is_file():
@@ -216,10 +216,10 @@ def model_family(model: str) -> str:
         except Exception as error:
             raise ConfigError(f"--model {model}: cannot read its model_index.json from the hub ({type(error).__name__})") from None
     else:
-        raise ConfigError(f"--model {model!r} is neither a directory, a hub id (org/name) nor one of {', '.join(TINY_MODELS)}")
-    if class_name not in PIPELINE_FAMILIES:
-        raise ConfigError(f"--model {model}: {class_name} is not supported; use {' or '.join(PIPELINE_FAMILIES)}")
-    return PIPELINE_FAMILIES[class_name]
+        raise ConfigError(f"--model {model!r} is neither a directory, a hub id (org/name) nor one of {', '.join(models.TINY_MODELS)}")
+    if class_name not in models.PIPELINE_FAMILIES:
+        raise ConfigError(f"--model {model}: {class_name} is not supported; use {' or '.join(models.PIPELINE_FAMILIES)}")
+    return models.PIPELINE_FAMILIES[class_name]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,126 +271,45 @@ def generator(seed: int, *keys: int | str) -> torch.Generator:
 
 
 # ----------------------------------------------------------------------------------------------
-# Model adapters: everything family-specific sits behind encode / velocity / decode / timesteps
+# Models: loading, trainable parameters, FSDP2 (family details live in models.py)
 
 
-class FlowAdapter:
-    """What train.py needs from a pipeline family: encode, velocity, latent_shape, timesteps, decode."""
-
-    pipeline_class = ""
-
-    def __init__(self, pipe, cfg: Config, dtype: torch.dtype):
-        self.pipe, self.transformer, self.cfg, self.dtype = pipe, pipe.transformer, cfg, dtype
-
-    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    @torch.no_grad()
-    def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents -> images (B, 3, H, W) in [0, 1]."""
-        vae = self.pipe.vae
-        latents = self.to_vae_latents(x) / vae.config.scaling_factor + vae.config.shift_factor
-        return (vae.decode(latents.to(vae.dtype), return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
-
-
-class SD3(FlowAdapter):
-    """StableDiffusion3Pipeline (SD3, SD3.5): latents (B, C, H/8, W/8); timestep in [0, 1000]."""
-
-    pipeline_class = "StableDiffusion3Pipeline"
-
-    @torch.no_grad()
-    def encode(self, texts: list[str]) -> dict:
-        """Frozen text encoders: prompts -> batch-first conditioning {embeds (B, L, D), pooled (B, D')}."""
-        embeds, _, pooled, _ = self.pipe.encode_prompt(texts, texts, texts, device=self.pipe.text_encoder.device,
-                                                       do_classifier_free_guidance=False,
-                                                       max_sequence_length=self.cfg.max_sequence_length)
-        return {"embeds": embeds.float(), "pooled": pooled.float()}
-
-    def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        with autocast(z.device, self.dtype):
-            return self.transformer(hidden_states=z, timestep=t * 1000, encoder_hidden_states=cond["embeds"],
-                                    pooled_projections=cond["pooled"], return_dict=False)[0].float()
-
-    def latent_shape(self) -> tuple[int, ...]:
-        size = self.cfg.resolution // self.pipe.vae_scale_factor
-        return self.transformer.config.in_channels, size, size
-
-    def timesteps(self) -> torch.Tensor:
-        return vgrpo.flow_timesteps(self.cfg.sampling_steps, shift=self.pipe.scheduler.config.shift)
-
-
-class Flux(FlowAdapter):
-    """FluxPipeline (FLUX.1): latents packed in 2x2 patches (B, H/16 * W/16, 4C), position ids, guidance
-    embedding; timestep in [0, 1]; time shift exp(mu), mu growing with the number of image tokens."""
-
-    pipeline_class = "FluxPipeline"
-
-    @torch.no_grad()
-    def encode(self, texts: list[str]) -> dict:
-        embeds, pooled, _ = self.pipe.encode_prompt(texts, texts, device=self.pipe.text_encoder.device,
-                                                    max_sequence_length=self.cfg.max_sequence_length)
-        return {"embeds": embeds.float(), "pooled": pooled.float()}
-
-    def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
-        rows, cols = torch.meshgrid(torch.arange(self._grid()), torch.arange(self._grid()), indexing="ij")
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).view(-1, 3).float()  # (0, row, col)
-        txt_ids = torch.zeros(cond["embeds"].shape[1], 3)
-        guidance = torch.full((z.shape[0],), self.cfg.flux_guidance, device=z.device)
-        with autocast(z.device, self.dtype):
-            return self.transformer(hidden_states=z, timestep=t, guidance=guidance, encoder_hidden_states=cond["embeds"],
-                                    pooled_projections=cond["pooled"], img_ids=img_ids.to(z.device),
-                                    txt_ids=txt_ids.to(z.device), return_dict=False)[0].float()
-
-    def _grid(self) -> int:
-        return self.cfg.resolution // self.pipe.vae_scale_factor // 2
-
-    def latent_shape(self) -> tuple[int, ...]:
-        return self._grid() ** 2, self.transformer.config.in_channels
-
-    def timesteps(self) -> torch.Tensor:
-        sc = self.pipe.scheduler.config
-        slope = (sc.max_shift - sc.base_shift) / (sc.max_image_seq_len - sc.base_image_seq_len)
-        mu = sc.base_shift + slope * (self._grid() ** 2 - sc.base_image_seq_len)
-        return vgrpo.flow_timesteps(self.cfg.sampling_steps, shift=math.exp(mu))
-
-    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, h*w, C*4) -> (B, C, 2h, 2w): undo the 2x2 patch packing."""
-        B, g, c = x.shape[0], self._grid(), x.shape[-1] // 4
-        return x.view(B, g, g, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, c, 2 * g, 2 * g)
-
-    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, 2h, 2w) -> (B, h*w, C*4): FLUX's 2x2 patch packing."""
-        B, c, g = x.shape[0], x.shape[1], x.shape[-1] // 2
-        return x.view(B, c, g, 2, g, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, c * 4)
-
-
-ADAPTERS = {"sd3": SD3, "flux": Flux}
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
-
-def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype) -> FlowAdapter:
+def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype) -> models.FlowAdapter:
+    """The pipeline, frozen and in the compute dtype, behind its family's adapter."""
     import diffusers
 
-    adapter = ADAPTERS[family]
-    if cfg.model in TINY_MODELS:
-        pipe = tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps)
-    else:
-        pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, torch_dtype=dtype)
+    adapter = models.ADAPTERS[family]
+    if cfg.model in models.TINY_MODELS:
+        pipe = models.tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps).to(dtype=dtype)
+    else:  # from_pretrained keeps the modules a model marks as float32-only (T5's wo) in float32
+        pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, dtype=dtype)
     # Frozen parts (VAE, text encoders) run replicated on every rank: they are not sharded and not trained.
-    for name, module in pipe.components.items():
+    for module in pipe.components.values():
         if isinstance(module, torch.nn.Module):
             module.to(device).eval().requires_grad_(False)
-            if name != "transformer" and module.dtype != dtype:  # tiny models are built in float32
-                module.to(dtype)
-    if cfg.lora_rank == 0:
-        pipe.transformer.float()  # full fine-tuning keeps fp32 master weights; compute runs in `dtype`
-    return adapter(pipe, cfg, dtype)
+    return adapter(pipe, dtype, resolution=cfg.resolution, sampling_steps=cfg.sampling_steps,
+                   max_sequence_length=cfg.max_sequence_length, guidance=cfg.flux_guidance)
+
+
+def lora_config(cfg: Config):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
+                      target_modules=cfg.lora_targets.split(","))
+
+
+def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
+    """LoRA adapters (lora_rank > 0) or every weight, as float32 master weights whatever the compute dtype: in
+    bfloat16 an AdamW step of lr 1e-4 on a weight of ~0.03 is below half an ULP and rounds away (a third of a
+    LoRA matrix never moved). Gradients and AdamW states follow the parameters' dtype; compute stays in the
+    pipeline's dtype (autocast in the adapters, MixedPrecisionPolicy under FSDP2)."""
+    if cfg.lora_rank:
+        transformer.add_adapter(lora_config(cfg))
+    else:
+        transformer.requires_grad_(True)
+    for p in transformer.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
 
 
 def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
@@ -521,7 +440,7 @@ def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
     return json.loads((path / "state.json").read_text())["iteration"] + 1
 
 
-def export_final(out: Path, model: FlowAdapter, lora: bool, rank: int) -> None:
+def export_final(out: Path, model: models.FlowAdapter, lora: bool, rank: int) -> None:
     """LoRA in the diffusers LoRA format (pipe.load_lora_weights) or the full transformer
     (from_pretrained), gathered from the shards onto rank 0."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -533,7 +452,10 @@ def export_final(out: Path, model: FlowAdapter, lora: bool, rank: int) -> None:
         from peft.utils import get_peft_model_state_dict
 
         layers = get_peft_model_state_dict(model.transformer, state_dict=full)
-        type(model.pipe).save_lora_weights(out, transformer_lora_layers=layers)
+        # The adapter config (rank, lora_alpha, targets) travels in the file's metadata: without it
+        # load_lora_weights applies scale 1 instead of lora_alpha / rank.
+        type(model.pipe).save_lora_weights(out, transformer_lora_layers=layers,
+                                           transformer_lora_adapter_metadata=model.transformer.peft_config["default"].to_dict())
     else:
         from safetensors.torch import save_file
 
@@ -599,7 +521,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def rollout(cfg: Config, model: FlowAdapter, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor, reward_fns: dict):
+def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor, reward_fns: dict):
     """Sample, decode and score B samples (prompts[i] with conditioning row i) in chunks of
     rollout_batch_size; images are dropped after scoring. Returns final latents (B, ...) and rewards
     {name: (B,)}."""
@@ -615,7 +537,7 @@ def rollout(cfg: Config, model: FlowAdapter, velocity, prompts: list[Prompt], co
     return torch.cat(x0), {k: torch.cat(v) for k, v in scores.items()}
 
 
-def initial_noise(cfg: Config, model: FlowAdapter, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
+def initial_noise(cfg: Config, model: models.FlowAdapter, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
     """Rollout noise: one generator per GLOBAL sample index, so every sample's noise differs and does
     not depend on how samples are spread over ranks."""
     shape = model.latent_shape()
@@ -650,18 +572,12 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     reward_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {})) for name in weights}
     model = load_pipeline(cfg, family, device, dtype)
     transformer = model.transformer
-    if cfg.lora_rank:
-        from peft import LoraConfig
-
-        transformer.add_adapter(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                                           target_modules=cfg.lora_targets.split(",")))
-    else:
-        transformer.requires_grad_(True)
+    make_trainable(transformer, cfg)
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
     if world > 1:
         apply_fsdp(transformer, device, dtype)
-    trainable = [p for p in transformer.parameters() if p.requires_grad]
+    trainable = [p for p in transformer.parameters() if p.requires_grad]  # after FSDP2 swapped in sharded ones
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     torch.manual_seed(cfg.seed + rank)
     start = load_checkpoint(run_dir, transformer, optimizer, rank) if cfg.resume else 0
@@ -796,149 +712,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_config(argv)
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-        prompts = load_prompts(cfg.prompts) if cfg.prompts else [Prompt(p, {}) for p in TINY_PROMPTS]
+        prompts = load_prompts(cfg.prompts) if cfg.prompts else [Prompt(p, {}) for p in models.TINY_PROMPTS]
         eval_prompts = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else prompts[:8]
     except ConfigError as error:
         sys.exit(f"error: {error}")
     train(cfg, family, prompts, eval_prompts)
-
-
-# ----------------------------------------------------------------------------------------------
-# Tiny offline models: the real diffusers / transformers classes at toy sizes, random weights,
-# tokenizers built in memory. Used by the default run and by the tests.
-
-TINY_PROMPTS = [f"a {color} {thing}" for color in rewards.COLORS for thing in ("square", "circle", "car", "flower")]
-_TINY_WORDS = sorted({w for p in TINY_PROMPTS for w in p.split()} | {"photo", "of", "the"})
-
-
-def tiny_clip_tokenizer():
-    """CLIP BPE over single bytes, plus merges that make each word of the tiny prompts one token."""
-    from transformers import CLIPTokenizer
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    symbols = list(bytes_to_unicode().values())
-    vocab = {s: i for i, s in enumerate(symbols + [s + "</w>" for s in symbols])}
-    merges = []
-    for word in _TINY_WORDS:
-        pieces = list(word[:-1]) + [word[-1] + "</w>"]
-        while len(pieces) > 1:  # merge left to right, each intermediate piece a vocabulary entry
-            merges.append((pieces[0], pieces[1]))
-            pieces = [pieces[0] + pieces[1]] + pieces[2:]
-            vocab.setdefault(pieces[0], len(vocab))
-    merges = list(dict.fromkeys(merges))
-    for special in ("<|startoftext|>", "<|endoftext|>"):
-        vocab[special] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=16)  # SD3 pads CLIP prompts to this length
-
-
-def tiny_t5_tokenizer():
-    """A unigram T5 tokenizer: the tiny prompts' words as single pieces, letters as fallback."""
-    from transformers import T5Tokenizer
-
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [(c, -3.0) for c in letters] + [("▁" + c, -3.0) for c in letters] + [("▁" + w, -1.0) for w in _TINY_WORDS]
-    return T5Tokenizer(vocab=pieces, extra_ids=0)
-
-
-def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
-    """A StableDiffusion3Pipeline or FluxPipeline at toy sizes (32 px images, 16 x 16 x 4 latents),
-    random, or briefly fitted to toy images (fit_tiny_pipeline) when fit_steps > 0."""
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel,
-                           SD3Transformer2DModel, StableDiffusion3Pipeline)
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
-
-    torch.manual_seed(seed)
-    clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
-    clip = CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=2, projection_dim=16, max_position_embeddings=16,
-                          bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id,
-                          pad_token_id=clip_tok.pad_token_id)
-    t5 = T5Config(vocab_size=len(t5_tok), d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
-                  pad_token_id=t5_tok.pad_token_id, eos_token_id=t5_tok.eos_token_id, decoder_start_token_id=0)
-    vae = AutoencoderKL(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
-                        up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
-                        norm_num_groups=4, mid_block_add_attention=False, use_quant_conv=False,
-                        use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609)
-    if family == "sd3":
-        transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-                                            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                            caption_projection_dim=32, pooled_projection_dim=32, pos_embed_max_size=16)
-        pipe = StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-                                        vae=vae, text_encoder=CLIPTextModelWithProjection(clip), tokenizer=clip_tok,
-                                        text_encoder_2=CLIPTextModelWithProjection(clip), tokenizer_2=clip_tok,
-                                        text_encoder_3=T5EncoderModel(t5), tokenizer_3=t5_tok)
-    else:
-        transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
-                                             attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                             pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
-        scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                    base_image_seq_len=256, max_image_seq_len=4096)
-        pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(clip), tokenizer=clip_tok,
-                            text_encoder_2=T5EncoderModel(t5), tokenizer_2=t5_tok, transformer=transformer)
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval()  # fresh models are in train mode: T5 dropout would make the text embeddings random
-    if fit_steps:
-        fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed)
-    return pipe
-
-
-def toy_images(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
-    """n 32 x 32 images (n, 3, 32, 32) in [0, 1]: a square or circle in one of the 8 colours of the colour
-    reward on grey. Captions name the shape, and the true colour only half of the time (else a random one):
-    a generator fitted to them follows the colour word imperfectly, leaving RL something to fix."""
-    colors = list(rewards.COLORS)
-    true_color = torch.randint(len(colors), (n,), generator=generator)
-    color = torch.tensor(list(rewards.COLORS.values()))[true_color]
-    centre = torch.randint(10, 22, (2, n, 1, 1), generator=generator)
-    radius = torch.randint(6, 11, (n, 1, 1), generator=generator)
-    circle = torch.rand(n, generator=generator) < 0.5
-    yy, xx = torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij")
-    dy, dx = yy - centre[0], xx - centre[1]
-    inside = torch.where(circle[:, None, None], dx**2 + dy**2 < radius**2, (dx.abs() < radius) & (dy.abs() < radius))
-    mask = inside[:, None].float()
-    images = mask * color[:, :, None, None] + (1 - mask) * 0.5
-    words = torch.where(torch.rand(n, generator=generator) < 0.75, true_color,
-                        torch.randint(len(colors), (n,), generator=generator))
-    return images, [f"a {colors[w]} {'circle' if c else 'square'}" for w, c in zip(words, circle)]
-
-
-def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size: int = 32) -> None:
-    """Fit the tiny VAE as an autoencoder of toy_images (steps), then the transformer with the
-    rectified-flow loss on the latents of a fixed set of them (4 * steps): a small pretrained
-    generator. Latents and text embeddings are computed once."""
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(seed)
-    vae, transformer = pipe.vae.train().requires_grad_(True), pipe.transformer.train().requires_grad_(True)
-    opt = torch.optim.Adam(vae.parameters(), lr=3e-3)
-    for _ in range(steps):
-        x = toy_images(batch_size // 2, g)[0] * 2 - 1
-        posterior = vae.encode(x).latent_dist
-        loss = F.mse_loss(vae.decode(posterior.sample(generator=g)).sample, x) + 1e-6 * posterior.kl().mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    vae.eval().requires_grad_(False)
-    model = adapter(pipe, Config(), torch.float32)
-    images, captions = toy_images(512, g)
-    with torch.no_grad():
-        latents = (vae.encode(images * 2 - 1).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
-    data = model.from_vae_latents(latents)
-    unique = sorted(set(captions))
-    embedded = model.encode(unique)
-    cond = {k: v[[unique.index(c) for c in captions]] for k, v in embedded.items()}
-    opt = torch.optim.Adam(transformer.parameters(), lr=1e-3)
-    for _ in range(4 * steps):
-        i = torch.randint(len(data), (batch_size,), generator=g)
-        x0, eps, t = data[i], torch.randn((batch_size, *data.shape[1:]), generator=g), torch.rand(batch_size, generator=g)
-        tb = t.view(-1, *[1] * (x0.dim() - 1))
-        loss = F.mse_loss(model.velocity((1 - tb) * x0 + tb * eps, t, {k: v[i] for k, v in cond.items()}), eps - x0)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    transformer.eval().requires_grad_(False)
 
 
 if __name__ == "__main__":
