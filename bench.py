@@ -16,6 +16,9 @@
    tensors; seconds per phase and peak memory from train.py; 1 against 2 processes (torchrun, gloo).
 5. GPU (CUDA only): images/s and step time at the real SD3.5-Medium and FLUX.1-dev transformer sizes
    (random weights), bf16, LoRA, activation checkpointing off and on; about 5 minutes on one GPU.
+6. Real checkpoints (CUDA and the hub; `--sections 6`): the real-model-path checks the tests make at reduced
+   depth on CPU, on SD3.5-Medium and FLUX.1-dev themselves: Euler rollouts against `pipe(...)` called the plain
+   way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training.
 
 Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
 Nothing here was tuned to make V-GRPO win: the toy settings are vgrpo.ToyConfig's defaults.
@@ -450,11 +453,69 @@ def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16) -> 
 
 
 # ----------------------------------------------------------------------------------------------
+# 6. The real-model path on real weights (GPU and hub): what the tests check at reduced depth on CPU
+
+REAL_MODELS = {"sd35m": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
+
+
+def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: tuple = ()) -> tuple[str, dict]:
+    """For each paper preset on its real checkpoint, bf16: (1) Euler rollouts on our grid against `pipe(prompt,
+    num_inference_steps=N)` called the plain way from the same noise (relative latent difference); (2) one preset
+    iteration at a small batch through train.py; (3) the dtypes its checkpoint stores for the trainable weights
+    and AdamW states; (4) the exported LoRA loaded with `pipe.load_lora_weights` against the trained transformer
+    (largest velocity difference, relative). small_run overrides sizes (the tests pass tiny ones)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    device = device or torch.device("cuda")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows, results = [], {}
+    for preset, model_id in model_ids.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            run_dir, prompts = Path(tmp) / "run", Path(tmp) / "prompts.txt"
+            prompts.write_text("a red car on a street\na blue flower in a vase\n")
+            args = ["--preset", preset, "--model", str(model_id), "--prompts", str(prompts), "--run_dir", str(run_dir),
+                    "--rewards", "color:1", "--num_prompts", "1", "--group_size", "2", "--micro_batch_size", "1",
+                    "--rollout_batch_size", "2", "--iterations", "1", "--eval_every", "0", *small_run]
+            cfg = train.parse_config(args)
+            model = train.load_pipeline(cfg, train.model_family(cfg.model), device, dtype)
+            g = torch.Generator().manual_seed(0)
+            noise = torch.randn(1, *model.latent_shape(), generator=g).to(device)
+            ours = vgrpo.sample_ode(model.velocity, noise, model.encode(["a red car on a street"]), model.timesteps())
+            guidance = model.guidance if model.pipeline_class == "FluxPipeline" else 1.0
+            theirs = model.pipe("a red car on a street", height=cfg.resolution, width=cfg.resolution, latents=noise.to(dtype),
+                                num_inference_steps=cfg.sampling_steps, guidance_scale=guidance,
+                                max_sequence_length=cfg.max_sequence_length, output_type="latent").images.float()
+            rollout_diff = ((ours - theirs).norm() / theirs.norm()).item()
+            subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args], check=True)
+            latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
+            metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
+            stored = sorted({str(v.properties.dtype) for k, v in metadata.items()
+                             if hasattr(v, "properties") and ("lora" in k or k.startswith("optim"))})
+            trained = train.load_trained(run_dir, device, dtype)
+            t = torch.tensor([0.3, 0.8], device=device)
+            z = torch.randn(2, *model.latent_shape(), generator=g).to(device)
+            cond = trained.encode(["a red car on a street", "a blue flower in a vase"])
+            model.pipe.load_lora_weights(run_dir / "final")
+            with torch.no_grad():
+                want, got = trained.velocity(z, t, cond), model.velocity(z, t, cond)
+            export_diff = ((want - got).abs().max() / want.abs().max()).item()
+            del model, trained
+        results[preset] = dict(model=str(model_id), rollout_vs_pipe=rollout_diff, checkpoint_dtypes=stored,
+                               export_vs_trained=export_diff)
+        rows.append([preset, model_id, f"{rollout_diff:.2e}", ", ".join(stored), f"{export_diff:.2e}"])
+    text = (f"{dtype} on {device}. Rollout: |euler on our grid - pipe()| / |pipe()| over the final latents "
+            "(bf16 rounding differs: the pipeline keeps bf16 latents between steps, vgrpo.sample_ode float32). "
+            "Export: max |v(trained) - v(load_lora_weights)| / max |v(trained)|.\n\n"
+            + table(["preset", "model", "rollout vs pipe()", "checkpoint dtypes (LoRA, AdamW)", "export vs trained"], rows))
+    return text, results
+
+
+# ----------------------------------------------------------------------------------------------
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers")
+    parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers (6: real checkpoints)")
     parser.add_argument("--out", default="results", help="output directory")
     args = parser.parse_args()
     sections = {int(s) for s in args.sections.split(",")}
@@ -469,10 +530,11 @@ def main() -> None:
         3: ("3. V-GRPO against a Flow-GRPO-style MDP baseline", lambda: section_mdp(toy_model, out)),
         4: ("4. Overhead", section_overhead),
         5: ("5. GPU throughput at the paper's model sizes", section_gpu),
+        6: ("6. The real-model path on real checkpoints", section_real_models),
     }
     for number in sorted(sections):
         title, job = jobs[number]
-        if number == 5 and not torch.cuda.is_available():
+        if number in (5, 6) and not torch.cuda.is_available():
             report.append(f"## {title}\n\nSkipped: no CUDA device.")
             continue
         start = time.perf_counter()

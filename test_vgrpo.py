@@ -1032,21 +1032,11 @@ def test_real_width_rollouts_and_grids_equal_the_plain_pipeline_call(name, real_
         assert ours[-2].item() == pytest.approx(last, abs=1e-4)
 
 
-def trained_model(run_dir, family):
-    """The transformer exactly as training left it: the run's config, its base model, its last DCP checkpoint."""
-    cfg = train.parse_config(["--resume", str(run_dir), "--dtype", "float32"])
-    model = train.load_pipeline(cfg, family, torch.device("cpu"), torch.float32)
-    train.make_trainable(model.transformer, cfg)
-    optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad])
-    train.load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
-    return model
-
-
 def assert_export_reproduces_training(run_dir, base_dir, family, *, lora):
     """`final/` loaded with the ordinary diffusers calls gives the trained transformer's output to float rounding."""
     from diffusers import DiffusionPipeline
 
-    trained = trained_model(run_dir, family)
+    trained = train.load_trained(run_dir, torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(0)
     z = torch.randn(2, *trained.latent_shape(), generator=g)
     t, cond = torch.tensor([0.3, 0.8]), trained.encode(["a red car", "a blue flower"])
@@ -1310,3 +1300,15 @@ def test_bench_gpu_section_runs_at_tiny_sizes_on_cpu():
     assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)}
     assert all(r["step_s"] > 0 and r["floor_s"] > 0 and math.isfinite(r["ratio"]) for r in results.values())
     assert text.count("\n| sd3 |") == 2 and text.count("\n| flux |") == 2
+
+
+def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs):
+    """Section 6's code path, on the tiny pipelines in place of the hub checkpoints."""
+    small = ("--resolution", "32", "--max_sequence_length", "8", "--sampling_steps", "3", "--tiny_fit_steps", "0",
+             "--lr", "1e-2", "--micro_batch_size", "1")
+    text, results = bench.section_real_models({"sd35m": tiny_dirs / "sd3", "flux": tiny_dirs / "flux"},
+                                              device=torch.device("cpu"), small_run=small)
+    for r in results.values():
+        assert r["rollout_vs_pipe"] < 1e-5 and r["export_vs_trained"] < 1e-5
+        assert r["checkpoint_dtypes"] == ["torch.float32"]
+    assert text.count("\n| sd35m |") == 1 and text.count("\n| flux |") == 1
