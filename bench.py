@@ -368,7 +368,7 @@ def section_overhead() -> tuple[str, dict]:
     args = ["--tiny_fit_steps", "0", "--iterations", "6", "--eval_every", "0", "--save_every", "1000",
             "--num_prompts", "4", "--group_size", "8", "--micro_batch_size", "8", "--rollout_batch_size", "16"]
     phases = {n: run_train(args, n)[1:] for n in (1, 2)}  # iteration 0 includes warm-up
-    keys = ["time_rollout", "time_reward", "time_old_surrogate", "time_update", "images_per_s", "peak_memory_gb"]
+    keys = ["time_rollout", "time_reward", "time_update", "images_per_s", "peak_memory_gb"]
     rows = [[f"{n} process{'es' if n > 1 else ''}"] + [f"{np.mean([m[k] for m in ms]):.3f}" for k in keys]
             for n, ms in phases.items()]
     text = (f"One vgrpo_update (16 samples x K = 4, LoRA r 32, AdamW; median of 41) on the tiny SD3 transformer: "

@@ -607,6 +607,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     surrogate = partial(vgrpo.elbo_surrogate, model.velocity, param=cfg.param, self_normalize=cfg.self_normalize,
                         chunk_size=cfg.micro_batch_size * K)
     nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
+    nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
     tracker = Tracker(run_dir, cfg, master)
     stop = {"requested": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
@@ -636,12 +637,10 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         adv = vgrpo.soft_clip(adv, eta=cfg.soft_clip_eta)  # (P, G)
         local_adv = adv[groups[0]:groups[-1] + 1].flatten()
         timer["reward"] = time.perf_counter()
-        # ---------------- 5. old-policy surrogate on the stored pairs
-        with torch.no_grad():
-            s_old, x_old = surrogate(x0, cond, t, eps)
-        timer["old_surrogate"] = time.perf_counter()
-        # ---------------- 6. gradient steps on the same pairs
-        ro = vgrpo.Rollouts(x0, cond, local_adv, t, eps, s_old, x_old if cfg.kl_coef > 0 else None)
+        # ---------------- 5 + 6. old-policy surrogate and gradient steps, all on the same stored pairs. s_old is
+        # computed inside vgrpo_update only where it differs from the first gradient pass (samples trained after an
+        # optimizer step); with one gradient step per iteration there is no separate old-policy pass.
+        ro = vgrpo.Rollouts(x0, cond, local_adv, t, eps)
         update = vgrpo.vgrpo_update(surrogate, optimizer, ro, num_grad_steps=cfg.num_grad_steps,
                                     micro_batch_size=cfg.micro_batch_size, clip_eps=cfg.clip_eps,
                                     kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
@@ -649,7 +648,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
 
         # ---------------- 7. log
         weighted = sum(w * global_scores[name] for name, w in weights.items())
-        cv = vgrpo.surrogate_cv(all_gather(s_old.mean(1).view(P_local, G)))
+        cv = vgrpo.surrogate_cv(all_gather(ro.s_old.mean(1).view(P_local, G)))
         metrics = {
             "reward_mean": weighted.mean().item(), "reward_std": weighted.std().item(),
             **{f"reward/{n}_mean": s.mean().item() for n, s in global_scores.items()},
@@ -657,9 +656,9 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             "frac_zero_std_groups": (adv == 0).all(dim=1).float().mean().item(),
             **reduce_metrics(update, device),
             "surrogate_cv": cv["cv"], "surrogate_cv_within": cv["cv_within"],
-            "nfe_rollout": nfe_rollout, "nfe_old": K, "nfe_grad": K,  # per sample; nfe_grad counts forward+backward
+            "nfe_rollout": nfe_rollout, "nfe_old": nfe_old, "nfe_grad": K,  # per sample; nfe_grad counts forward+backward
             "time_rollout": timer["rollout"] - timer["start"], "time_reward": timer["reward"] - timer["rollout"],
-            "time_old_surrogate": timer["old_surrogate"] - timer["reward"], "time_update": timer["update"] - timer["old_surrogate"],
+            "time_update": timer["update"] - timer["reward"],
             "images_per_s": P * G / (timer["update"] - timer["start"]),
             "peak_memory_gb": reduce_metrics({"m_max": peak_memory_gb(device)}, device)["m_max"],
             "prompt_indices": chosen,

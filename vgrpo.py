@@ -18,12 +18,11 @@ Call order for one iteration (train.py and `train_toy` below do exactly this):
     x0 = sample_ode(velocity, noise, cond, timesteps)          # 2. rollouts, any ODE sampler
     t, eps = draw_mc_pairs(P, G, K, x0.shape[1:], generator=g) # 3. drawn ONCE per iteration
     adv = soft_clip(group_advantages(rewards.view(P, G)), eta=3.0).flatten()    # 4.
-    with torch.no_grad():
-        s_old, x_old = surrogate(x0, cond, t, eps)             # 5. theta_old, same (t, eps)
-    metrics = vgrpo_update(surrogate, optimizer, Rollouts(...))  # 6. theta, same (t, eps)
+    metrics = vgrpo_update(surrogate, optimizer, Rollouts(x0, cond, adv, t, eps))  # 5. + 6.
 
 where `surrogate = functools.partial(elbo_surrogate, velocity, param="x", ...)`, so the old and
-the new policy are scored by the same function on the same Monte-Carlo pairs.
+the new policy are scored by the same function on the same Monte-Carlo pairs. vgrpo_update computes
+the old-policy surrogate (step 5) only where it differs from the first gradient pass.
 
 Choices this implementation makes where the paper leaves them open:
 - Timesteps for the surrogate are uniform in [t_min, t_max] of the flow time t itself (no
@@ -312,7 +311,7 @@ class Rollouts:
     advantages: torch.Tensor  # (B,)
     t: torch.Tensor  # (B, K) the pairs drawn for this iteration ...
     eps: torch.Tensor  # (B, K, ...) ... and reused for theta_old and every theta
-    s_old: torch.Tensor  # (B, K) surrogate under theta_old
+    s_old: torch.Tensor | None = None  # (B, K) surrogate under theta_old; None: vgrpo_update fills it in
     x_old: torch.Tensor | None = None  # (B, K, ...) x-predictions under theta_old (KL only)
 
     def __len__(self) -> int:
@@ -333,14 +332,20 @@ def vgrpo_update(
     kl_coef: float = 0.0,
     max_grad_norm: float | None = 1.0,
 ) -> dict[str, float]:
-    """Algorithm 1, step 6: num_grad_steps optimizer steps on one rollout batch.
+    """Algorithm 1, steps 5 and 6: the old-policy surrogate, then num_grad_steps optimizer steps on one rollout batch.
 
-    surrogate(x0, cond, t, eps) -> (s, x_pred): the SAME callable that produced rollouts.s_old.
+    surrogate(x0, cond, t, eps) -> (s, x_pred): one callable for theta_old and theta.
     The B samples are split in order into num_grad_steps mini-batches; each is processed in
     micro-batches of micro_batch_size samples with gradient accumulation (the loss is the
     mini-batch mean). A step whose gradient norm is not finite is skipped (grads dropped, the
     optimizer untouched) and counted in `skipped_steps`. Only the parameters in the optimizer
     are touched, through their .grad, so plain, peft-wrapped and FSDP2-sharded modules all work.
+
+    rollouts.s_old None (recommended): the old-policy pass costs only what it must. The first mini-batch is
+    trained before any optimizer step, at theta_old itself, so its s_old (and x_old) is the detached result of
+    the same forward; only the samples of later mini-batches get a separate no-grad pass, made before the first
+    step. With num_grad_steps = 1 there is no old-policy pass at all. rollouts.s_old (and x_old when kl_coef > 0)
+    is filled in place for logging. Given s_old, it is used as is.
     Returns metrics averaged over samples (min/max for ratio_min/ratio_max).
     """
     B = len(rollouts)
@@ -351,7 +356,10 @@ def vgrpo_update(
     if mini % micro:
         raise ValueError(f"micro_batch_size={micro} must divide the mini-batch of {mini} samples "
                          f"({B} samples / {num_grad_steps} gradient steps)")
-    if kl_coef > 0 and rollouts.x_old is None:
+    fill_old = rollouts.s_old is None
+    if fill_old:
+        _old_policy_pass(surrogate, rollouts, first=mini, micro=micro, keep_x=kl_coef > 0)
+    elif kl_coef > 0 and rollouts.x_old is None:
         raise ValueError("kl_coef > 0 needs rollouts.x_old (keep the x-predictions of the old-policy pass)")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     totals: dict[str, torch.Tensor] = {}
@@ -362,6 +370,11 @@ def vgrpo_update(
             batch = rollouts[torch.arange(start, start + micro, device=rollouts.x0.device)]
             # The stored (t, eps) of the old pass: reusing them is what makes rho a ratio.
             s_new, x_new = surrogate(batch.x0, batch.cond, batch.t, batch.eps)
+            if fill_old and step == 0:  # still theta_old: the old-policy values are this forward's, detached
+                rows = slice(start, start + micro)
+                batch.s_old = rollouts.s_old[rows] = s_new.detach()
+                if kl_coef > 0:
+                    batch.x_old = rollouts.x_old[rows] = x_new.detach()
             loss, metrics = policy_loss(s_new, batch.s_old, batch.advantages, clip_eps=clip_eps,
                                         kl_coef=kl_coef, x_new=x_new, x_old=batch.x_old)
             (loss * (micro / mini)).backward()
@@ -380,6 +393,23 @@ def vgrpo_update(
         "grad_norm": sum(finite) / len(finite) if finite else math.nan,
         "skipped_steps": float(skipped),
     }
+
+
+@torch.no_grad()
+def _old_policy_pass(surrogate, rollouts: Rollouts, *, first: int, micro: int, keep_x: bool) -> None:
+    """Allocate rollouts.s_old (and x_old) and fill rows first.. with theta_old's surrogate, micro rows per call;
+    rows :first are left for the first gradient pass to fill."""
+    B, K = rollouts.t.shape
+    like = dict(device=rollouts.x0.device, dtype=torch.promote_types(rollouts.x0.dtype, torch.float32))  # as s, x_pred
+    rollouts.s_old = torch.empty(B, K, **like)
+    rollouts.x_old = torch.empty(B, K, *rollouts.x0.shape[1:], **like) if keep_x else None
+    for start in range(first, B, micro):
+        rows = slice(start, start + micro)
+        batch = rollouts[torch.arange(start, start + micro, device=rollouts.x0.device)]
+        s, x = surrogate(batch.x0, batch.cond, batch.t, batch.eps)  # the stored (t, eps), as for theta
+        rollouts.s_old[rows] = s
+        if keep_x:
+            rollouts.x_old[rows] = x
 
 
 def _accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor], *, weight: float) -> None:
@@ -509,13 +539,12 @@ def train_toy(model: ToyFlow, cfg: ToyConfig) -> list[dict[str, float]]:
                                group_shared=cfg.group_shared)
         rewards = toy_reward(x0, c)
         adv = soft_clip(group_advantages(rewards.view(P, G)), eta=cfg.soft_clip_eta).flatten()
-        with torch.no_grad():
-            s_old, x_old = surrogate(x0, c, t, eps)  # the same (t, eps) are reused for theta
-        metrics = vgrpo_update(surrogate, optimizer, Rollouts(x0, c, adv, t, eps, s_old, x_old),
-                               num_grad_steps=cfg.num_grad_steps, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
+        rollouts = Rollouts(x0, c, adv, t, eps)  # the same (t, eps) score theta_old and theta
+        metrics = vgrpo_update(surrogate, optimizer, rollouts, num_grad_steps=cfg.num_grad_steps, clip_eps=cfg.clip_eps,
+                               kl_coef=cfg.kl_coef)
         frac, dist = toy_mode_stats(x0, c)
         history.append({"reward_mean": rewards.mean().item(), "frac_target_mode": frac, "mode_dist": dist,
-                        **surrogate_cv(s_old.mean(1).view(P, G)), **metrics, "seconds": time.perf_counter() - start})
+                        **surrogate_cv(rollouts.s_old.mean(1).view(P, G)), **metrics, "seconds": time.perf_counter() - start})
     return history
 
 
