@@ -12,7 +12,6 @@ Offline models (no hub access needed, random or briefly fitted weights, the real
 """
 
 import copy
-import math
 
 import numpy as np
 import torch
