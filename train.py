@@ -102,6 +102,8 @@ class Config:
     rollout_batch_size: int = arg(32, "samples per sampling / decoding / reward call (per rank)")
     dtype: str = arg("auto", "compute dtype: auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
     grad_checkpointing: bool = arg(False, "activation checkpointing in the transformer")
+    hsdp: int = arg(0, "HSDP replica groups: shard within each, replicate across (0 = one per node on several nodes, "
+                       "1 = plain FSDP over all ranks)")
     seed: int = arg(0, "base seed; see the seeding rules in train()")
     run_dir: str = arg("", "output directory; default runs/<preset>-<time>")
     resume: str = arg("", "run directory to continue from its last checkpoint (its config.json is the base)")
@@ -175,6 +177,8 @@ def validate(cfg: Config, world_size: int) -> str:
     if cfg.num_prompts % world_size:
         raise ConfigError(f"--num_prompts {cfg.num_prompts} must be divisible by the world size {world_size}: "
                           "each rank holds whole groups")
+    if cfg.hsdp < 0 or (cfg.hsdp and world_size % cfg.hsdp):
+        raise ConfigError(f"--hsdp {cfg.hsdp} must be 0 (auto), 1 (plain FSDP) or a divisor of the world size {world_size}")
     local = cfg.num_prompts // world_size * cfg.group_size
     if local % cfg.num_grad_steps or (local // cfg.num_grad_steps) % cfg.micro_batch_size:
         raise ConfigError(f"{local} samples per rank (num_prompts {cfg.num_prompts} x group_size {cfg.group_size} / "
@@ -314,19 +318,33 @@ def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
             p.data = p.data.float()
 
 
-def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype, replicas: int = 1) -> None:
     """The FSDP2 recipe: shard each transformer block, then the root (which keeps the embeddings and
-    the output layer), over a 1-D mesh of all ranks (pure data parallelism, any number of nodes).
-    Parameters are gathered in `dtype` for compute; gradients are reduced in fp32."""
+    the output layer). Parameters are gathered in `dtype` for compute; gradients are reduced in fp32.
+    replicas = 1: FSDP over a 1-D mesh of all ranks. replicas > 1: HSDP, the torchtitan way: a 2-D mesh
+    (replicate, shard), parameters sharded within each group of world / replicas ranks (a node: all-gathers
+    stay on its fast links) and replicated across the groups (one gradient all-reduce between nodes)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if replicas > 1:
+        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for name in ("transformer_blocks", "single_transformer_blocks"):  # SD3 has the first, FLUX both
         for block in getattr(transformer, name, []):
             fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(transformer, mesh=mesh, mp_policy=policy)
+
+
+def hsdp_replicas(cfg_hsdp: int, world: int) -> int:
+    """--hsdp 0 (auto): one replica group per node when torchrun spans several nodes, else plain FSDP."""
+    if cfg_hsdp:
+        return cfg_hsdp
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return world // per_node if world > per_node else 1
 
 
 def guided(velocity, uncond: dict, scale: float):
@@ -588,13 +606,15 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     make_trainable(transformer, cfg)
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
+    replicas = hsdp_replicas(cfg.hsdp, world)
     if world > 1:
-        apply_fsdp(transformer, device, dtype)
+        apply_fsdp(transformer, device, dtype, replicas=replicas)
     trainable = [p for p in transformer.parameters() if p.requires_grad]  # after FSDP2 swapped in sharded ones
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     torch.manual_seed(cfg.seed + rank)
     start = load_checkpoint(run_dir, transformer, optimizer, rank) if cfg.resume else 0
-    print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}, "
+    print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}"
+           + (f" (HSDP: {replicas} replicas x {world // replicas} shards)" if replicas > 1 else "") + ", "
            f"{dtype}, run dir {run_dir}" + (f", resuming at iteration {start}" if start else ""))
 
     P, G, K = cfg.num_prompts, cfg.group_size, cfg.num_mc
