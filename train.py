@@ -22,6 +22,7 @@ old-policy pass and the first gradient pass agree exactly.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -339,6 +340,25 @@ def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.
     fully_shard(transformer, mesh=mesh, mp_policy=policy)
 
 
+@contextlib.contextmanager
+def gathered_once(transformer: torch.nn.Module):
+    """Under FSDP2, keep each unit's parameters unsharded from its first all-gather to the end of the block, so a
+    rollout batch gathers the model once instead of once per ODE step (rollouts take no gradients, so nothing
+    else changes). Costs one unsharded copy of the transformer for the duration; a no-op without FSDP2."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in transformer.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            # FSDP2 never reshards the root after forward (backward needs it next); the blocks do.
+            unit.set_reshard_after_forward(unit is not transformer, recurse=False)
+            unit.reshard()
+
+
 def hsdp_replicas(cfg_hsdp: int, world: int) -> int:
     """--hsdp 0 (auto): one replica group per node when torchrun spans several nodes, else plain FSDP."""
     if cfg_hsdp:
@@ -559,8 +579,9 @@ def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prom
     x0, scores = [], {name: [] for name in reward_fns}
     for start in range(0, len(prompts), cfg.rollout_batch_size):
         rows = slice(start, start + cfg.rollout_batch_size)
-        x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
-                             solver=cfg.solver)
+        with gathered_once(model.transformer):
+            x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
+                                 solver=cfg.solver)
         images = model.decode(x)
         for name, fn in reward_fns.items():
             scores[name].append(fn(images, [p.text for p in prompts[rows]], [p.metadata for p in prompts[rows]]).float())
