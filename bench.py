@@ -19,6 +19,8 @@
 6. Real checkpoints (CUDA and the hub; `--sections 6`): the real-model-path checks the tests make at reduced
    depth on CPU, on SD3.5-Medium and FLUX.1-dev themselves: Euler rollouts against `pipe(...)` called the plain
    way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training.
+7. Scale: surrogate rows and interleaved wall time of the old-policy pass before/after computing s_old only where it
+   differs from the first gradient pass; FSDP2 all-gathers of a rollout with and without train.gathered_once.
 
 Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
 Nothing here was tuned to make V-GRPO win: the toy settings are vgrpo.ToyConfig's defaults.
@@ -382,6 +384,114 @@ def section_overhead() -> tuple[str, dict]:
 
 
 # ----------------------------------------------------------------------------------------------
+# 4b. Scale: model evaluations of the old-policy pass, FSDP2 all-gathers of the rollouts
+
+
+def old_pass_saving(model, cond: dict, *, samples: int = 32, num_mc: int = 4, num_grad_steps: int, repeats: int = 11) -> dict:
+    """One iteration's steps 5 + 6 on the tiny SD3 transformer with LoRA, before (a separate old-policy pass over
+    every sample, then vgrpo_update) and after (vgrpo_update computing s_old only where it differs): surrogate rows
+    evaluated with and without gradient, and interleaved median seconds."""
+    transformer = model.transformer
+    params = [p for p in transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=0.0)  # the weights stay put, so every repeat does the same work
+    rows = {"grad": 0, "no_grad": 0}
+
+    def counting(z, t, c):
+        rows["grad" if torch.is_grad_enabled() else "no_grad"] += z.shape[0]
+        return model.velocity(z, t, c)
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(samples, *model.latent_shape(), generator=g)
+    cond = {k: v.repeat_interleave(samples, 0) for k, v in cond.items()}
+    t, eps = vgrpo.draw_mc_pairs(1, samples, num_mc, x0.shape[1:], generator=g)
+    adv = torch.randn(samples, generator=g)
+    surrogate = partial(vgrpo.elbo_surrogate, counting)
+    update = partial(vgrpo.vgrpo_update, surrogate, optimizer, num_grad_steps=num_grad_steps,
+                     micro_batch_size=samples // num_grad_steps)
+
+    def before():
+        with torch.no_grad():
+            s_old, _ = surrogate(x0, cond, t, eps)
+        update(vgrpo.Rollouts(x0, cond, adv, t, eps, s_old))
+
+    def after():
+        update(vgrpo.Rollouts(x0, cond, adv, t, eps))
+
+    counts = {}
+    for name, fn in (("before", before), ("after", after)):
+        rows.update(grad=0, no_grad=0)
+        fn()
+        counts[name] = {k: v / samples for k, v in rows.items()}  # per sample
+    before_s, after_s = median_seconds(before, after, repeats=repeats)
+    return {"rows_per_sample": counts, "before_s": before_s, "after_s": after_s, "ratio": after_s / before_s}
+
+
+GATHER_WORKER = """
+import json, sys, torch, torch.distributed as dist
+import models, train, vgrpo
+dist.init_process_group("gloo")
+calls = {"n": 0, "bytes": 0}
+all_gather_single = dist.all_gather_single
+def counted(output, *args, **kwargs):  # FSDP2's one all-gather per unit
+    calls["n"] += 1
+    calls["bytes"] += output.numel() * output.element_size()
+    return all_gather_single(output, *args, **kwargs)
+dist.all_gather_single = counted
+torch.manual_seed(0)
+model = models.SD3(models.tiny_pipeline("sd3"), resolution=32, sampling_steps=int(sys.argv[2]), max_sequence_length=8)
+train.apply_fsdp(model.transformer, torch.device("cpu"), torch.float32)
+noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(dist.get_rank()))
+cond = model.encode(["a red car", "a blue flower"])
+out = {}
+for once in (True, False):  # once first: FSDP2 leaves the root unsharded after the per-step pass
+    calls.update(n=0, bytes=0)
+    with train.gathered_once(model.transformer) if once else torch.no_grad():
+        x = vgrpo.sample_ode(model.velocity, noise, cond, model.timesteps())
+    out[str(once)] = dict(calls), x.tolist()
+    if once:  # every unit, the root included, is sharded again after the block
+        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.transformer.parameters())
+if dist.get_rank() == 0:
+    json.dump(out, open(sys.argv[1], "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def rollout_all_gathers(steps: int = 6) -> dict:
+    """FSDP2 all-gather calls and bytes of one Euler rollout of `steps` steps on the tiny SD3 transformer sharded
+    over 2 gloo ranks, per ODE step ("False") and with train.gathered_once ("True"), and the samples of each."""
+    with tempfile.TemporaryDirectory() as tmp:
+        worker, out = Path(tmp) / "worker.py", Path(tmp) / "out.json"
+        worker.write_text(GATHER_WORKER)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(worker), str(out), str(steps)], env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode:
+            raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
+        return json.loads(out.read_text())
+
+
+def section_scale() -> tuple[str, dict]:
+    model = tiny_model()
+    model.transformer.add_adapter(train.lora_config(train.Config()))
+    cond = model.encode(["a red car"])
+    saving = {n: old_pass_saving(model, cond, num_grad_steps=n) for n in (1, 2)}
+    gathers = rollout_all_gathers(steps=8)
+    rows = [[n, f"{s['rows_per_sample']['before']['no_grad']:g} + {s['rows_per_sample']['before']['grad']:g}",
+             f"{s['rows_per_sample']['after']['no_grad']:g} + {s['rows_per_sample']['after']['grad']:g}",
+             f"{s['before_s'] * 1e3:.0f}", f"{s['after_s'] * 1e3:.0f}", f"x{s['ratio']:.2f}"] for n, s in saving.items()]
+    per_step, once = gathers["False"][0], gathers["True"][0]
+    text = ("Old-policy pass (tiny SD3, LoRA r 32, 32 samples, K = 4; interleaved medians of 11): surrogate rows "
+            "per sample without + with gradient (a row with gradient costs a forward and a backward).\n\n"
+            + table(["gradient steps", "rows before", "rows after", "ms before", "ms after", "after / before"], rows)
+            + f"\n\nFSDP2 rollouts (tiny SD3: 2 blocks + root, 2 gloo ranks, 8 Euler steps): {per_step['n']} all-gathers, "
+            f"{per_step['bytes'] / 1e6:.2f} MB gathered per rank when every step re-gathers; {once['n']} all-gathers, "
+            f"{once['bytes'] / 1e6:.2f} MB with train.gathered_once (samples identical: "
+            f"{gathers['False'][1] == gathers['True'][1]}).")
+    return text, {"old_pass": saving, "all_gathers": {"per_step": per_step, "once": once}}
+
+
+# ----------------------------------------------------------------------------------------------
 # 5. GPU: the paper's model sizes, random weights
 
 REAL_SIZES = {
@@ -515,7 +625,7 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers (6: real checkpoints)")
+    parser.add_argument("--sections", default="1,2,3,4,5,7", help="comma-separated section numbers (6: real checkpoints)")
     parser.add_argument("--out", default="results", help="output directory")
     args = parser.parse_args()
     sections = {int(s) for s in args.sections.split(",")}
@@ -529,6 +639,7 @@ def main() -> None:
         2: ("2. Ablations on the 2-D toy", lambda: section_ablations(toy_model, out)),
         3: ("3. V-GRPO against a Flow-GRPO-style MDP baseline", lambda: section_mdp(toy_model, out)),
         4: ("4. Overhead", section_overhead),
+        7: ("7. Scale: the old-policy pass and FSDP2 rollout all-gathers", section_scale),
         5: ("5. GPU throughput at the paper's model sizes", section_gpu),
         6: ("6. The real-model path on real checkpoints", section_real_models),
     }

@@ -967,47 +967,10 @@ def test_torchrun_fsdp2_two_processes_match_one_process(tiny_dirs, sd3_run, tmp_
     assert_same_training(sd3_run, tmp_path)
 
 
-GATHER_WORKER = """
-import json, sys, torch, torch.distributed as dist
-import models, train, vgrpo
-dist.init_process_group("gloo")
-calls = {"n": 0, "bytes": 0}
-all_gather_single = dist.all_gather_single
-def counted(output, *args, **kwargs):  # FSDP2's one all-gather per unit
-    calls["n"] += 1
-    calls["bytes"] += output.numel() * output.element_size()
-    return all_gather_single(output, *args, **kwargs)
-dist.all_gather_single = counted
-torch.manual_seed(0)
-model = models.SD3(models.tiny_pipeline("sd3"), resolution=32, sampling_steps=6, max_sequence_length=8)
-train.apply_fsdp(model.transformer, torch.device("cpu"), torch.float32)
-noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(dist.get_rank()))
-cond = model.encode(["a red car", "a blue flower"])
-out = {}
-for once in (True, False):  # once first: FSDP2 leaves the root unsharded after the per-step pass
-    calls.update(n=0, bytes=0)
-    with train.gathered_once(model.transformer) if once else torch.no_grad():
-        x = vgrpo.sample_ode(model.velocity, noise, cond, model.timesteps())
-    out[str(once)] = dict(calls), x.tolist()
-    if once:  # every unit, the root included, is sharded again after the block
-        assert all(isinstance(p, torch.distributed.tensor.DTensor) for p in model.transformer.parameters())
-if dist.get_rank() == 0:
-    json.dump(out, open(sys.argv[1], "w"))
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
 def test_fsdp2_rollouts_gather_the_model_once_per_rollout_batch(tmp_path):
     """6 Euler steps on the tiny SD3 transformer sharded over 2 gloo ranks: one all-gather per FSDP unit (2 blocks +
     root) instead of one per block and step, the same samples, and the parameters sharded again afterwards."""
-    (tmp_path / "worker.py").write_text(GATHER_WORKER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           str(tmp_path / "worker.py"), str(tmp_path / "out.json")], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads((tmp_path / "out.json").read_text())
+    out = bench.rollout_all_gathers()
     (per_step, x_per_step), (once, x_once) = out["False"], out["True"]
     blocks, steps = 2, 6
     # Per step: every block at every step, the root once (FSDP2 keeps the root unsharded after a forward).
@@ -1412,3 +1375,11 @@ def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs):
         assert r["rollout_vs_pipe"] < 1e-5 and r["export_vs_trained"] < 1e-5
         assert r["checkpoint_dtypes"] == ["torch.float32"]
     assert text.count("\n| sd35m |") == 1 and text.count("\n| flux |") == 1
+
+
+def test_bench_scale_section_counts_the_old_pass_rows_it_saves():
+    model = bench.tiny_model()
+    model.transformer.add_adapter(train.lora_config(train.Config()))
+    saving = bench.old_pass_saving(model, model.encode(["a red car"]), samples=8, num_grad_steps=2, repeats=1)
+    assert saving["rows_per_sample"] == {"before": {"grad": 4, "no_grad": 4}, "after": {"grad": 4, "no_grad": 2}}
+    assert saving["before_s"] > 0 and saving["after_s"] > 0
