@@ -1267,6 +1267,43 @@ def test_bad_input_is_one_clear_error_before_any_model_is_loaded(argv, message, 
     assert "\n" not in str(exit_info.value)
 
 
+# One value per numeric flag that breaks its rule (non-finite values are checked for every float flag below).
+BAD_NUMBERS = {
+    "resolution": 40, "max_sequence_length": 0, "tiny_fit_steps": -1, "sampling_steps": 0, "cfg_scale": 0.5,
+    "flux_guidance": -1, "num_prompts": 0, "group_size": 1, "num_mc": 0, "t_min": -0.1, "t_max": 1.5,
+    "soft_clip_eta": 0, "clip_eps": -1, "kl_coef": -1, "num_grad_steps": 0, "iterations": 0, "lr": 1e30,
+    "weight_decay": -0.1, "max_grad_norm": -1, "lora_rank": -1, "lora_alpha": 0, "micro_batch_size": 0,
+    "rollout_batch_size": 0, "hsdp": -1, "seed": -1, "log_every": 0, "eval_every": -1, "save_every": 0,
+}
+
+
+def test_every_numeric_flag_is_validated():
+    import typing
+    from dataclasses import fields
+
+    hints = typing.get_type_hints(train.Config)
+    numeric = {f.name for f in fields(train.Config) if hints[f.name] in (int, float, float | None)}
+    assert numeric == set(train.NUMERIC_RULES) == set(BAD_NUMBERS)
+
+
+@pytest.mark.parametrize("name,value", [*BAD_NUMBERS.items(),
+                                        *[(n, v) for n in ("lr", "weight_decay", "max_grad_norm", "soft_clip_eta",
+                                                           "kl_coef", "t_max") for v in ("nan", "inf")]])
+def test_bad_number_is_one_clear_error_before_any_model_is_loaded(name, value, monkeypatch):
+    monkeypatch.setattr(train, "train", lambda *a: pytest.fail("training started despite bad input"))
+    monkeypatch.setattr(train, "load_pipeline", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([f"--{name}", str(value)])
+    message = str(exit_info.value)
+    assert message.startswith(f"error: --{name} ") and "must be" in message and "\n" not in message
+
+
+def test_weight_decay_that_would_flip_the_weights_is_rejected(monkeypatch):
+    monkeypatch.setattr(train, "train", lambda *a: pytest.fail("training started despite bad input"))
+    with pytest.raises(SystemExit, match="--lr 0.5 x --weight_decay 3.0 must be < 1"):
+        train.main(["--lr", "0.5", "--weight_decay", "3"])
+
+
 def test_world_size_that_does_not_divide_the_prompts_is_rejected(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     monkeypatch.setattr(train, "train", lambda *a: pytest.fail("training started despite bad input"))

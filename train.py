@@ -166,6 +166,44 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return Config(**values)
 
 
+def _at_least(low: float):
+    return lambda v: v >= low, f">= {low:g}"
+
+
+def _positive(high: float = math.inf):
+    return lambda v: 0 < v <= high, "> 0" + ("" if high == math.inf else f" and <= {high:g}")
+
+
+# Every numeric flag: what it must satisfy, checked (after finiteness) before anything is loaded. The upper bounds
+# reject values that are never intended and only produce garbage weights: an AdamW lr above 1, a weight decay
+# whose step lr * wd would flip the weights' sign.
+NUMERIC_RULES = {
+    "resolution": (lambda v: v > 0 and v % 16 == 0, "a positive multiple of 16 (VAE x8 and 2x2 patches)"),
+    "max_sequence_length": _at_least(1), "tiny_fit_steps": _at_least(0), "sampling_steps": _at_least(1),
+    "cfg_scale": _at_least(1), "flux_guidance": _at_least(0), "num_prompts": _at_least(1),
+    "group_size": (lambda v: v >= 2, ">= 2: GRPO needs at least 2 samples per prompt"),
+    "num_mc": _at_least(1), "t_min": _at_least(0), "t_max": _positive(1), "soft_clip_eta": _positive(),
+    "clip_eps": _positive(1), "kl_coef": _at_least(0), "num_grad_steps": _at_least(1), "iterations": _at_least(1),
+    "lr": _positive(1), "weight_decay": _at_least(0), "max_grad_norm": _positive(), "lora_rank": _at_least(0),
+    "lora_alpha": _positive(), "micro_batch_size": _at_least(1), "rollout_batch_size": _at_least(1),
+    "hsdp": _at_least(0), "seed": _at_least(0), "log_every": _at_least(1), "eval_every": _at_least(0),
+    "save_every": _at_least(1),
+}
+
+
+def validate_numbers(cfg: Config) -> None:
+    """One line for the first numeric flag that is not finite or breaks its rule (NUMERIC_RULES)."""
+    for name, (ok, rule) in NUMERIC_RULES.items():
+        value = getattr(cfg, name)
+        if value is None:  # soft_clip_eta / clip_eps "none": the control is off
+            continue
+        if not math.isfinite(value) or not ok(value):
+            raise ConfigError(f"--{name} {value}: must be finite and {rule}")
+    if cfg.lr * cfg.weight_decay >= 1:
+        raise ConfigError(f"--lr {cfg.lr} x --weight_decay {cfg.weight_decay} must be < 1 (AdamW multiplies the "
+                          "weights by 1 - lr * weight_decay each step)")
+
+
 def validate(cfg: Config, world_size: int) -> str:
     """Checks everything that can be checked without loading a model. Returns the model family."""
     choices = dict(solver=("euler", "heun", "ab2"), param=vgrpo.PARAMETERISATIONS, tracker=("none", "tensorboard", "wandb"),
@@ -173,20 +211,19 @@ def validate(cfg: Config, world_size: int) -> str:
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{name} {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
-    if cfg.group_size < 2:
-        raise ConfigError(f"--group_size {cfg.group_size}: GRPO needs at least 2 samples per prompt")
+    validate_numbers(cfg)
     if cfg.num_prompts % world_size:
         raise ConfigError(f"--num_prompts {cfg.num_prompts} must be divisible by the world size {world_size}: "
                           "each rank holds whole groups")
-    if cfg.hsdp < 0 or (cfg.hsdp and world_size % cfg.hsdp):
+    if cfg.hsdp and world_size % cfg.hsdp:
         raise ConfigError(f"--hsdp {cfg.hsdp} must be 0 (auto), 1 (plain FSDP) or a divisor of the world size {world_size}")
     local = cfg.num_prompts // world_size * cfg.group_size
     if local % cfg.num_grad_steps or (local // cfg.num_grad_steps) % cfg.micro_batch_size:
         raise ConfigError(f"{local} samples per rank (num_prompts {cfg.num_prompts} x group_size {cfg.group_size} / "
                           f"{world_size} ranks) must split into --num_grad_steps {cfg.num_grad_steps} mini-batches "
                           f"of whole --micro_batch_size {cfg.micro_batch_size} micro-batches")
-    if not (cfg.num_mc >= 1 and 0 <= cfg.t_min < cfg.t_max <= 1):
-        raise ConfigError(f"need --num_mc >= 1 and 0 <= --t_min < --t_max <= 1, got {cfg.num_mc}, {cfg.t_min}, {cfg.t_max}")
+    if cfg.t_min >= cfg.t_max:
+        raise ConfigError(f"--t_min {cfg.t_min} must be below --t_max {cfg.t_max}")
     try:
         weights = rewards.parse_reward_spec(cfg.rewards)
     except ValueError as error:
