@@ -1001,7 +1001,8 @@ def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dir
         torch.testing.assert_close(lora_weights(tmp_path / "resumed")[k], v, rtol=1e-6, atol=1e-8)
 
 
-def test_sigterm_checkpoints_the_current_iteration_and_exits_cleanly(tiny_dirs, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_or_ctrl_c_checkpoints_the_current_iteration_and_exits_cleanly(sig, tiny_dirs, tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), "--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl",
            "--run_dir", tmp_path, *SMALL_RUN, "--iterations", "1000", "--save_every", "1000", "--eval_every", "0"]
     proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -1009,11 +1010,12 @@ def test_sigterm_checkpoints_the_current_iteration_and_exits_cleanly(tiny_dirs, 
     while not ((tmp_path / "metrics.jsonl").is_file() and len(read_metrics(tmp_path)) >= 2):
         assert proc.poll() is None and time.time() < deadline, "training did not get going"
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(sig)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-2000:]
     last = read_metrics(tmp_path)[-1]["iteration"]
-    assert f"SIGTERM: checkpoint of iteration {last} saved" in output and last < 999
+    assert f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {last} saved" in output and last < 999
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))  # no half-written checkpoint left behind
     assert (tmp_path / "checkpoints" / "latest").read_text() == f"iter-{last:06d}"
     assert not (tmp_path / "final").exists()  # stopped early: no final export
 

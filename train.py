@@ -110,7 +110,7 @@ class Config:
     resume: str = arg("", "run directory to continue from its last checkpoint (its config.json is the base)")
     log_every: int = arg(10, "iterations between metric lines on stdout (metrics.jsonl gets every iteration)")
     eval_every: int = arg(10, "iterations between evaluations on the fixed prompts (0 = never)")
-    save_every: int = arg(10, "iterations between checkpoints (also on SIGTERM and at the end)")
+    save_every: int = arg(10, "iterations between checkpoints (also on SIGTERM / SIGINT and at the end)")
     tracker: str = arg("none", "none | tensorboard | wandb (metrics.jsonl is always written)")
 
 
@@ -688,7 +688,8 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
     tracker = Tracker(run_dir, cfg, master)
     stop = {"requested": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
+        signal.signal(sig, lambda *_: stop.update(requested=True))
     history = []
 
     bar = tqdm(range(start, cfg.iterations), disable=not master, desc="V-GRPO", dynamic_ncols=True)
@@ -751,12 +752,12 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{metrics['ratio_mean']:.3f}",
                         skipped=int(metrics["skipped_steps"]))
 
-        # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM asked to stop
+        # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM / SIGINT asked to stop
         stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
         if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
             save_checkpoint(run_dir, it, transformer, optimizer, rank)
         if stopping:
-            print0(f"SIGTERM: checkpoint of iteration {it} saved; continue with --resume {run_dir}")
+            print0(f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {it} saved; continue with --resume {run_dir}")
             break
     else:
         export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank)
