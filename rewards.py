@@ -505,6 +505,8 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
             weights[name] = float(weight) if weight else 1.0
         except ValueError:
             raise ValueError(f"reward weight {weight!r} for {name!r} is not a number (write name:weight)") from None
+        if not math.isfinite(weights[name]):
+            raise ValueError(f"reward weight {weight!r} for {name!r} must be finite")
     if not weights:
         raise ValueError(f"no reward named in {spec!r}; write e.g. 'pickscore:1,hpsv21:1'")
     return weights

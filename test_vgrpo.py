@@ -1020,6 +1020,40 @@ def test_sigterm_or_ctrl_c_checkpoints_the_current_iteration_and_exits_cleanly(s
     assert not (tmp_path / "final").exists()  # stopped early: no final export
 
 
+def test_nonfinite_rewards_stop_the_run_with_an_error_and_keep_the_last_good_checkpoint(tiny_dirs, tmp_path,
+                                                                                          monkeypatch):
+    """Iteration 1's rewards are NaN: the run stops with one line and a non-zero exit, saves nothing from it, exports
+    nothing, and checkpoints/latest is still iteration 0 (before: every step was skipped, NaN metrics, exit 0)."""
+    calls = []
+
+    def load_reward(name, **options):
+        def nan_after_first(images, prompts, metadata=None):
+            calls.append(len(prompts))
+            scores = rewards.REWARDS["color"]()(images, prompts, metadata)
+            return scores if len(calls) == 1 else scores * float("nan")
+        return nan_after_first
+
+    monkeypatch.setattr(rewards, "load_reward", load_reward)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", str(tiny_dirs / "sd3"), "--prompts", str(tiny_dirs / "prompts.jsonl"), "--run_dir",
+                    str(tmp_path), *SMALL_RUN, "--iterations", "5", "--eval_every", "0", "--save_every", "1"])
+    message = str(exit_info.value)
+    assert message.startswith("error: training diverged at iteration 1: the rewards are not finite") and "\n" not in message
+    assert "checkpoint iter-000000 is kept" in message
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "iter-000000" and not (tmp_path / "final").exists()
+
+
+def test_divergence_counts_consecutive_skipped_steps(monkeypatch):
+    cfg = train.Config(max_skipped_steps=3)
+    layer = torch.nn.Linear(2, 2)
+    ok = partial(train.divergence, torch.zeros(2), {"color": torch.zeros(2)}, transformer=layer, cfg=cfg,
+                 device=torch.device("cpu"))
+    assert ok(skipped_run=2) == "" and "3 consecutive gradient steps were skipped" in ok(skipped_run=3)
+    with torch.no_grad():
+        layer.weight[0, 0] = float("inf")
+    assert ok(skipped_run=0) == "the trainable weights are not finite"
+
+
 def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     """`python train.py`: the tiny SD3 model fitted to toy images learns to paint the colour its prompt names."""
     proc = run_train("--run_dir", tmp_path)
@@ -1249,6 +1283,7 @@ BAD_INPUTS = [
     (["--group_size", "6", "--micro_batch_size", "5"], "must split into --num_grad_steps 1 mini-batches"),
     (["--group_size", "1"], "at least 2 samples per prompt"),
     (["--rewards", "pickscor:1"], "unknown reward 'pickscor'"),
+    (["--rewards", "color:nan"], "reward weight 'nan' for 'color' must be finite"),
     (["--reward_options", '{"pickscore": {}}'], "must map names from --rewards"),
     (["--solver", "rk4"], "--solver 'rk4' is not one of"),
     (["--resume", "{tmp}"], "no config.json there"),
@@ -1275,7 +1310,8 @@ BAD_NUMBERS = {
     "flux_guidance": -1, "num_prompts": 0, "group_size": 1, "num_mc": 0, "t_min": -0.1, "t_max": 1.5,
     "soft_clip_eta": 0, "clip_eps": -1, "kl_coef": -1, "num_grad_steps": 0, "iterations": 0, "lr": 1e30,
     "weight_decay": -0.1, "max_grad_norm": -1, "lora_rank": -1, "lora_alpha": 0, "micro_batch_size": 0,
-    "rollout_batch_size": 0, "hsdp": -1, "seed": -1, "log_every": 0, "eval_every": -1, "save_every": 0,
+    "rollout_batch_size": 0, "hsdp": -1, "max_skipped_steps": 0, "seed": -1, "log_every": 0, "eval_every": -1,
+    "save_every": 0,
 }
 
 

@@ -110,6 +110,7 @@ class Config:
     resume: str = arg("", "run directory to continue from its last checkpoint (its config.json is the base)")
     log_every: int = arg(10, "iterations between metric lines on stdout (metrics.jsonl gets every iteration)")
     eval_every: int = arg(10, "iterations between evaluations on the fixed prompts (0 = never)")
+    max_skipped_steps: int = arg(3, "stop as diverged after this many consecutive skipped (non-finite) gradient steps")
     save_every: int = arg(10, "iterations between checkpoints (also on SIGTERM / SIGINT and at the end)")
     tracker: str = arg("none", "none | tensorboard | wandb (metrics.jsonl is always written)")
 
@@ -186,7 +187,7 @@ NUMERIC_RULES = {
     "clip_eps": _positive(1), "kl_coef": _at_least(0), "num_grad_steps": _at_least(1), "iterations": _at_least(1),
     "lr": _positive(1), "weight_decay": _at_least(0), "max_grad_norm": _positive(), "lora_rank": _at_least(0),
     "lora_alpha": _positive(), "micro_batch_size": _at_least(1), "rollout_batch_size": _at_least(1),
-    "hsdp": _at_least(0), "seed": _at_least(0), "log_every": _at_least(1), "eval_every": _at_least(0),
+    "hsdp": _at_least(0), "max_skipped_steps": _at_least(1), "seed": _at_least(0), "log_every": _at_least(1), "eval_every": _at_least(0),
     "save_every": _at_least(1),
 }
 
@@ -690,7 +691,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     stop = {"requested": False}
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
         signal.signal(sig, lambda *_: stop.update(requested=True))
-    history = []
+    history, skipped_run = [], 0
 
     bar = tqdm(range(start, cfg.iterations), disable=not master, desc="V-GRPO", dynamic_ncols=True)
     for it in bar:
@@ -752,7 +753,18 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{metrics['ratio_mean']:.3f}",
                         skipped=int(metrics["skipped_steps"]))
 
-        # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM / SIGINT asked to stop
+        # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM / SIGINT asked to stop. A
+        # diverged run writes nothing more: the last good checkpoint stays the one --resume uses.
+        skipped_run = skipped_run + int(update["skipped_steps"]) if update["skipped_steps"] == cfg.num_grad_steps else 0
+        reason = divergence(x0, scores, skipped_run, transformer, cfg, device)
+        if reason:
+            latest = run_dir / "checkpoints" / "latest"
+            kept = f"checkpoint {latest.read_text()} is kept" if latest.is_file() else "no checkpoint was written"
+            message = (f"error: training diverged at iteration {it}: {reason}. Nothing was saved from it; {kept}. "
+                       "Lower --lr or --max_grad_norm, or raise --num_mc, and start again")
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            raise SystemExit(message if master else 1)
         stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
         if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
             save_checkpoint(run_dir, it, transformer, optimizer, rank)
@@ -765,6 +777,21 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         print0(f"done: {run_dir}/final, metrics in {run_dir}/metrics.jsonl")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cfg: Config, device) -> str:
+    """Why the run must stop, '' if it need not: non-finite rollouts, rewards or trainable weights on any rank, or
+    max_skipped_steps consecutive skipped gradient steps. Every rank gets the same answer."""
+    checks = {
+        "the rollouts are not finite": not torch.isfinite(x0).all(),
+        "the rewards are not finite": not all(torch.isfinite(s).all() for s in scores.values()),
+        "the trainable weights are not finite": not all(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local")
+                                                                      else p.detach()).all()
+                                                         for p in transformer.parameters() if p.requires_grad),
+        f"{skipped_run} consecutive gradient steps were skipped as non-finite": skipped_run >= cfg.max_skipped_steps,
+    }
+    flags = reduce_metrics({f"{i}_max": float(bad) for i, bad in enumerate(checks.values())}, device)
+    return "; ".join(reason for i, reason in enumerate(checks) if flags[f"{i}_max"] > 0)
 
 
 STDOUT_METRICS = ("reward_mean", "reward_std", "eval/reward_mean", "ratio_mean", "clipfrac", "approx_kl", "kl",
