@@ -992,6 +992,9 @@ def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dir
     common = ["--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN]
     run_train(*common, "--run_dir", tmp_path / "straight", "--iterations", "4")
     shutil.copytree(sd3_run, tmp_path / "resumed")  # its 2 iterations, checkpoint at iteration 1
+    metrics_file = tmp_path / "resumed" / "metrics.jsonl"
+    logged_not_saved = {**read_metrics(tmp_path / "resumed")[-1], "iteration": 2}  # a stop after logging iteration 2
+    metrics_file.write_text(metrics_file.read_text() + json.dumps(logged_not_saved) + "\n")
     proc = run_train("--resume", tmp_path / "resumed", "--iterations", "4")
     assert "resuming at iteration 2" in proc.stdout
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")

@@ -557,13 +557,24 @@ def export_final(out: Path, model: models.FlowAdapter, lora: bool, rank: int) ->
 # Logging
 
 
+def trim_metrics(path: Path, start: int) -> None:
+    """Drop the lines of iterations >= start: after a resume they are redone, and a stop between logging and
+    checkpointing would otherwise leave them in metrics.jsonl twice. Rewritten through a temp file."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
+    path.with_suffix(".tmp").write_text("".join(line + "\n" for line in lines))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
 class Tracker:
     """metrics.jsonl always; tensorboard or wandb when asked; rank 0 only (others get a no-op)."""
 
-    def __init__(self, run_dir: Path, cfg: Config, active: bool):
+    def __init__(self, run_dir: Path, cfg: Config, active: bool, start: int = 0):
         self.active, self.backend = active, None
         if not active:
             return
+        trim_metrics(run_dir / "metrics.jsonl", start)
         self.file = open(run_dir / "metrics.jsonl", "a")
         if cfg.tracker == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -687,7 +698,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
                         chunk_size=cfg.micro_batch_size * K)
     nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
     nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
-    tracker = Tracker(run_dir, cfg, master)
+    tracker = Tracker(run_dir, cfg, master, start)
     stop = {"requested": False}
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
         signal.signal(sig, lambda *_: stop.update(requested=True))
