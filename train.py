@@ -774,6 +774,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             message = (f"error: training diverged at iteration {it}: {reason}. Nothing was saved from it; {kept}. "
                        "Lower --lr or --max_grad_norm, or raise --num_mc, and start again")
             if dist.is_initialized():
+                barrier()
                 dist.destroy_process_group()
             raise SystemExit(message if master else 1)
         stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
@@ -787,6 +788,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         print0(summary_table(history))
         print0(f"done: {run_dir}/final, metrics in {run_dir}/metrics.jsonl")
     if dist.is_initialized():
+        barrier()  # rank 0 may still be writing the export: nobody tears gloo/nccl down under it
         dist.destroy_process_group()
 
 
