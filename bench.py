@@ -311,10 +311,7 @@ def update_vs_floor(model, cond: dict, *, samples: int, num_mc: int, lora_rank: 
     transformer, which gets the LoRA adapter); cond is one prompt's conditioning, shared by all samples."""
     transformer = model.transformer
     if lora_rank:
-        from peft import LoraConfig
-
-        transformer.add_adapter(LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, init_lora_weights="gaussian",
-                                           target_modules=train.Config().lora_targets.split(",")))
+        transformer.add_adapter(train.lora_config(train.Config(lora_rank=lora_rank, lora_alpha=2 * lora_rank)))
     else:
         transformer.requires_grad_(True)
     if grad_checkpointing:
