@@ -37,15 +37,19 @@ HTTP protocol (the `http`, `ocr`, `geneval` and `unifiedreward` clients; `python
 
 import argparse
 import base64
+import contextlib
+import http.client
+import inspect
 import io
 import json
 import math
 import os
 import re
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
-from http.server import BaseHTTPRequestHandler, HTTPServer
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -380,10 +384,22 @@ def decode_png(data: str) -> torch.Tensor:
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+MAX_RESPONSE_BYTES = 1 << 20  # B scores are a few kB; more is not a reward server's answer
+MAX_REQUEST_BYTES = 1 << 30  # the server's limit: a rollout batch of 1024 px PNGs is ~100 MB
+
+
 class HttpReward:
-    """Client of a reward server speaking the protocol in this file's docstring."""
+    """Client of a reward server speaking the protocol in this file's docstring. `timeout` bounds each whole
+    request (connect, upload, answer), not each socket read: a server that trickles bytes cannot hold a step."""
 
     def __init__(self, url: str, *, timeout: float = 300.0, retries: int = 3, backoff: float = 1.0):
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"reward server url {url!r} must be http://HOST[:PORT][/PATH] or https://...")
+        if not (math.isfinite(timeout) and timeout > 0) or retries < 1:
+            raise ValueError(f"reward server timeout {timeout} must be a finite number of seconds > 0 and retries "
+                             f"{retries} at least 1")
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
@@ -392,36 +408,73 @@ class HttpReward:
         return self._parse(self._post(body), len(prompts)).to(images.device)
 
     def _post(self, body: bytes) -> bytes:
-        """POST with bounded retries and exponential backoff on connection errors and 5xx answers."""
-        request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"})
+        """POST with bounded retries and exponential backoff on connection errors, timeouts and 5xx answers."""
         last = None
         for attempt in range(self.retries):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return response.read()
-            except urllib.error.HTTPError as error:  # the server answered with an error
-                detail = error.read().decode(errors="replace")[:500]
-                if error.code < 500:
-                    raise RuntimeError(f"reward server {self.url} rejected the request ({error.code}): {detail}") from None
-                last = f"HTTP {error.code}: {detail}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
-                last = getattr(error, "reason", error)
+                status, payload = self._request(body)
+            except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, garbled
+                last = f"{type(error).__name__}: {error}"
+                continue
+            if status == 200:
+                return payload
+            detail = payload[:300].decode(errors="replace")
+            if status < 500:
+                raise RuntimeError(f"reward server {self.url} rejected the request ({status}): {detail}")
+            last = f"HTTP {status}: {detail}"
         raise ConnectionError(f"reward server {self.url} gave no answer after {self.retries} attempts (last error: "
                               f"{last}). Is it running? Start one with `python rewards.py serve NAME --port PORT`.")
 
+    def _request(self, body: bytes) -> tuple[int, bytes]:
+        """One POST under a deadline: a watchdog shuts the socket down when `timeout` seconds have passed."""
+        parts = urllib.parse.urlsplit(self.url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        connection = kind(parts.netloc, timeout=self.timeout)  # also bounds the connect itself
+        expired, sockets = threading.Event(), []
+
+        def expire():
+            expired.set()
+            for sock in sockets:  # held here: the connection drops its reference once a response takes over
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked read; close() alone would not
+
+        watchdog = threading.Timer(self.timeout, expire)
+        watchdog.start()
+        try:
+            connection.connect()
+            sockets.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            connection.request("POST", path, body, {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            payload = response.read(MAX_RESPONSE_BYTES + 1)
+            if expired.is_set():
+                raise TimeoutError
+            return response.status, payload
+        except (OSError, http.client.HTTPException):
+            if expired.is_set():
+                raise TimeoutError(f"no complete answer within the {self.timeout:g} s timeout") from None
+            raise
+        finally:
+            watchdog.cancel()
+            connection.close()
+
     def _parse(self, payload: bytes, n: int) -> torch.Tensor:
+        """n numbers that are finite as float32 (1e39 is a finite float but inf once stored)."""
         try:
             scores = json.loads(payload)["scores"]
-            ok = len(scores) == n and all(isinstance(s, (int, float)) and not isinstance(s, bool) and math.isfinite(s)
-                                          for s in scores)
-        except (ValueError, KeyError, TypeError):
+            values = [float(s) for s in scores if isinstance(s, (int, float)) and not isinstance(s, bool)]
+            ok = len(payload) <= MAX_RESPONSE_BYTES and len(values) == len(scores) == n and \
+                all(abs(v) <= FLOAT32_MAX for v in values)  # also False for nan
+        except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: an integer too large for a float
             ok = False
         if not ok:
             raise ValueError(f"malformed response from reward server {self.url}: expected "
-                             f'{{"scores": [{n} finite numbers]}}, got {payload[:200]!r}')
-        return torch.tensor(scores, dtype=torch.float32)
+                             f'{{"scores": [{n} numbers finite in float32]}}, got {payload[:200]!r}')
+        return torch.tensor(values, dtype=torch.float32)
 
 
 def http_factory(port: int, what: str) -> Callable[..., Reward]:
@@ -432,24 +485,41 @@ def http_factory(port: int, what: str) -> Callable[..., Reward]:
         return HttpReward(url, timeout=timeout, retries=retries)
 
     factory.__doc__ = f"{what}, served over HTTP (default http://127.0.0.1:{port}). (device: unused, the server owns the model.)"
+    factory.offline = True  # building it touches nothing: check_options may build one to check the values
     return factory
 
 
-def serve(reward: Reward, name: str, *, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve `reward` over the HTTP protocol until interrupted (one request at a time: models are not
-    assumed thread-safe)."""
+def reward_server(reward: Reward, name: str, *, host: str = "127.0.0.1", port: int = 8000, timeout: float = 60.0,
+                  max_request_bytes: int = MAX_REQUEST_BYTES) -> ThreadingHTTPServer:
+    """A server for `reward` over the HTTP protocol (start it with serve_forever()). Each connection has its own thread and a socket
+    timeout, and bodies above max_request_bytes are refused, so a slow or broken client holds only itself;
+    the reward itself runs one request at a time (models are not assumed thread-safe)."""
+    lock = threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
+        def setup(self):
+            self.timeout = timeout  # StreamRequestHandler applies it to the socket: reads that stall end
+            super().setup()
+
         def do_GET(self):
             self._answer(200, {"status": "ok", "reward": name})
 
         def do_POST(self):
+            length = self.headers.get("Content-Length", "")
+            if not length.isdigit() or int(length) > max_request_bytes:
+                self._answer(413 if length.isdigit() else 411,
+                             {"error": f"Content-Length must be given and at most {max_request_bytes} bytes"})
+                return
             try:
-                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                request = json.loads(self.rfile.read(int(length)))
                 images = torch.stack([decode_png(data) for data in request["images"]])
-                scores = reward(images, request["prompts"], request.get("metadata"))
+                with lock:
+                    scores = reward(images, request["prompts"], request.get("metadata"))
             except (KeyError, ValueError, TypeError) as error:  # the client's fault: say what was wrong
                 self._answer(400, {"error": f"{type(error).__name__}: {error}"})
+                return
+            except OSError:  # the client stalled past the timeout or went away: nobody to answer
+                self.close_connection = True
                 return
             except Exception as error:  # the reward's fault: report it, keep serving
                 self._answer(500, {"error": f"{type(error).__name__}: {error}"})
@@ -467,12 +537,9 @@ def serve(reward: Reward, name: str, *, host: str = "127.0.0.1", port: int = 800
         def log_message(self, format, *args):  # quiet: errors go back to the client instead
             pass
 
-    server = HTTPServer((host, port), Handler)
-    print(f"serving reward {name!r} on http://{host}:{server.server_port}", flush=True)
-    try:
-        server.serve_forever()
-    finally:
-        server.server_close()
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    return server
 
 
 # ----------------------------------------------------------------------------------------------
@@ -519,6 +586,37 @@ def load_reward(name: str, *, device: str = "cpu", **options: Any) -> Reward:
     return REWARDS[name](device=device, **options)
 
 
+def check_options(name: str, options: Any) -> None:
+    """Options for REWARDS[name] as its factory declares them: known names, each value of its default's type
+    (an int where a float is expected is fine). Factories marked offline are built once to check the values."""
+    if not isinstance(options, dict):
+        raise ValueError(f"the options of {name!r} must be a JSON object {{option: value}}, got {options!r}")
+    factory = REWARDS[name]
+    params = {p.name: p for p in inspect.signature(factory).parameters.values() if p.name != "device"}
+    for key, value in options.items():
+        if key not in params:
+            raise ValueError(f"{name!r} has no option {key!r}; its options are {', '.join(params) or 'none'}")
+        kind = params[key].annotation
+        if kind is float:  # JSON writes 300.0 as 300
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:  # bool is an int in Python, never in an option
+            ok = isinstance(value, kind) and isinstance(value, bool) == (kind is bool)
+        if not ok:
+            raise ValueError(f"option {key!r} of {name!r} must be {getattr(kind, '__name__', kind)} (default "
+                             f"{params[key].default!r}), got {value!r}")
+    if getattr(factory, "offline", False):
+        factory(**options)
+
+
+# What a reward needs from every prompt, checked before training: name -> check(text, metadata), raising ValueError.
+PROMPT_CHECKS: dict[str, Callable[[str, dict], Any]] = {"color": prompt_color}
+
+
+def check_prompt(name: str, text: str, metadata: dict) -> None:
+    if name in PROMPT_CHECKS:
+        PROMPT_CHECKS[name](text, metadata)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Serve a reward of rewards.py over HTTP (protocol: module docstring).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -526,6 +624,8 @@ def main() -> None:
     serve_cmd.add_argument("name", choices=sorted(REWARDS))
     serve_cmd.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 keeps it local")
     serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--timeout", type=float, default=60.0, help="seconds a client may stall a read")
+    serve_cmd.add_argument("--max_request_mb", type=int, default=MAX_REQUEST_BYTES >> 20, help="largest request body")
     serve_cmd.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     serve_cmd.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                            help="factory option, e.g. --option model=/path/to/PickScore (repeatable; JSON values)")
@@ -539,7 +639,13 @@ def main() -> None:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value  # a bare string such as a path
-    serve(load_reward(args.name, device=args.device, **options), args.name, host=args.host, port=args.port)
+    server = reward_server(load_reward(args.name, device=args.device, **options), args.name, host=args.host,
+                           port=args.port, timeout=args.timeout, max_request_bytes=args.max_request_mb << 20)
+    print(f"serving reward {args.name!r} on http://{args.host}:{server.server_port}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
 
 
 if __name__ == "__main__":

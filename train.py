@@ -23,9 +23,11 @@ old-policy pass and the first gradient pass agree exactly.
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
+import pickle
 import re
 import resource
 import shutil
@@ -42,6 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
 from tqdm import tqdm
 
 import models
@@ -161,10 +165,31 @@ def parse_config(argv: list[str] | None = None) -> Config:
         saved = Path(given["resume"]) / "config.json"
         if not saved.is_file():
             raise ConfigError(f"--resume {given['resume']}: no config.json there; pass the directory of an earlier run")
-        values.update(json.loads(saved.read_text()))
+        values.update(read_run_config(saved))
         values["run_dir"] = given["resume"]
+        for name in FIXED_ON_RESUME:
+            if name in given and given[name] != values[name]:
+                raise ConfigError(f"--{name} {given[name]} differs from the resumed run's {values[name]}: its checkpoint "
+                                  f"holds that model and adapter; drop --{name} or start a new run")
     values.update(given)
     return Config(**values)
+
+
+# What a checkpoint's tensors are shaped by: a resumed run keeps them.
+FIXED_ON_RESUME = ("model", "lora_rank", "lora_alpha", "lora_targets")
+
+
+def read_run_config(path: Path) -> dict:
+    """A run's config.json, refused in one line if it is not the one train.py wrote (truncated, hand-edited)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}); restore it or start a new run") from None
+    names = {f.name for f in fields(Config)}
+    if not isinstance(saved, dict) or not set(saved) <= names:
+        unknown = sorted(set(saved) - names) if isinstance(saved, dict) else saved
+        raise ConfigError(f"{path} is not a train.py config (unknown entries {unknown}); restore it or start a new run")
+    return saved
 
 
 def _at_least(low: float):
@@ -235,6 +260,16 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--reward_options is not valid JSON: {error}") from None
     if not isinstance(options, dict) or not set(options) <= set(weights):
         raise ConfigError(f"--reward_options must map names from --rewards ({', '.join(weights)}) to option dicts")
+    for name, given in options.items():
+        try:
+            rewards.check_options(name, given)
+        except ValueError as error:
+            raise ConfigError(f"--reward_options: {error}") from None
+    if cfg.tracker != "none" and importlib.util.find_spec(cfg.tracker) is None:
+        raise ConfigError(f"--tracker {cfg.tracker}: the package is not installed (pip install {cfg.tracker}), "
+                          "or use --tracker none: metrics.jsonl is always written")
+    if cfg.run_dir and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+        raise ConfigError(f"--run_dir {cfg.run_dir} is a file; pass a directory (it is created if missing)")
     if cfg.resume and not (Path(cfg.resume) / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there yet (checkpoints/latest is missing)")
     family = model_family(cfg.model)
@@ -252,7 +287,11 @@ def model_family(model: str) -> str:
         index = Path(model) / "model_index.json"
         if not index.is_file():
             raise ConfigError(f"--model {model}: no model_index.json there; pass a diffusers pipeline directory")
-        class_name = json.loads(index.read_text())["_class_name"]
+        try:
+            class_name = json.loads(index.read_text())["_class_name"]
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"--model {model}: {index} is not a diffusers model_index.json (no '_class_name' in a "
+                              "JSON object); re-save the pipeline with save_pretrained") from None
     elif re.fullmatch(r"[\w.-]+/[\w.-]+", model):
         from diffusers import DiffusionPipeline
 
@@ -277,25 +316,56 @@ class Prompt:
     metadata: dict
 
 
+# Every text encoder truncates a prompt long before this (CLIP at 77 tokens, T5 at 512); a longer line is a wrong
+# file, and tokenising it whole cost 58 s per iteration at 2 MB and ran out of memory at 26 MB.
+MAX_PROMPT_CHARS = 10_000
+
+
 def load_prompts(path: str) -> list[Prompt]:
+    """.txt: one prompt per line. .jsonl: one JSON object per line with a string 'prompt' (the whole object is the
+    prompt's metadata). Anything else, or a file that is not UTF-8 text, is refused in one line."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"prompt file {path} does not exist")
+    if file.suffix == ".json":
+        raise ConfigError(f"prompt file {path}: .json is not read; write one JSON object per line as .jsonl, or one "
+                          "prompt per line as .txt")
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"prompt file {path} is not UTF-8 text (byte {error.start}); pass a .txt or .jsonl file") from None
     prompts = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{number}"
         if file.suffix == ".jsonl":
             try:
                 record = json.loads(line)
-                prompts.append(Prompt(record["prompt"], record))
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(f"{path}:{number}: expected a JSON object with a 'prompt' field") from None
+            except ValueError:
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ConfigError(f"{where}: expected a JSON object with a string 'prompt' field")
+            prompt = Prompt(record["prompt"], record)
         else:
-            prompts.append(Prompt(line.strip(), {}))
+            prompt = Prompt(line.strip(), {})
+        if len(prompt.text) > MAX_PROMPT_CHARS:
+            raise ConfigError(f"{where}: the prompt is {len(prompt.text)} characters; text encoders read at most "
+                              f"512 tokens, so more than {MAX_PROMPT_CHARS} means a wrong file")
+        prompts.append(prompt)
     if not prompts:
         raise ConfigError(f"prompt file {path} holds no prompts")
     return prompts
+
+
+def check_prompts_for_rewards(prompts: list[Prompt], names, source: str) -> None:
+    """Rewards that need something from every prompt (the color reward: a colour word) say so before training."""
+    for name in names:
+        for number, p in enumerate(prompts, 1):
+            try:
+                rewards.check_prompt(name, p.text, p.metadata)
+            except ValueError as error:
+                raise ConfigError(f"{source}, prompt {number}: {error}") from None
 
 
 def prompts_for_iteration(num_available: int, num_prompts: int, seed: int, iteration: int) -> list[int]:
@@ -349,12 +419,24 @@ def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
     LoRA matrix never moved). Gradients and AdamW states follow the parameters' dtype; compute stays in the
     pipeline's dtype (autocast in the adapters, MixedPrecisionPolicy under FSDP2)."""
     if cfg.lora_rank:
+        check_lora_targets(transformer, cfg.lora_targets.split(","))
         transformer.add_adapter(lora_config(cfg))
     else:
         transformer.requires_grad_(True)
     for p in transformer.parameters():
         if p.requires_grad:
             p.data = p.data.float()
+
+
+def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
+    """Each target must name some Linear layer (peft matches a suffix of the module path); peft itself drops a
+    target that matches nothing silently, as long as another one matches."""
+    linear = [name for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in linear)]
+    if missing:
+        short = sorted({".".join(n.split(".")[-2 if n.split(".")[-1].isdigit() else -1:]) for n in linear})
+        raise ConfigError(f"--lora_targets: {', '.join(missing)} match no Linear layer of the "
+                          f"{type(transformer).__name__}; its Linear layers end in {', '.join(short)}")
 
 
 def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype, replicas: int = 1) -> None:
@@ -456,6 +538,15 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str,
     return out
 
 
+def broadcast_from_rank0(value: str) -> str:
+    """Rank 0's value on every rank (identity in one process)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -474,7 +565,6 @@ def state_options():
 
 
 def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int) -> None:
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = run_dir / "checkpoints"
@@ -486,6 +576,7 @@ def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank:
     barrier()
     if rank == 0:
         (tmp / "state.json").write_text(json.dumps({"iteration": iteration}))
+        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp), indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         (root / "latest.tmp").write_text(final.name)
@@ -496,22 +587,92 @@ def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank:
     barrier()
 
 
+MANIFEST = "manifest.json"
+
+
+def manifest(directory: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file of a checkpoint but the manifest itself."""
+    import hashlib
+
+    entries = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest = hashlib.sha256()
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 24), b""):
+                digest.update(block)
+        entries[str(path.relative_to(directory))] = [path.stat().st_size, digest.hexdigest()]
+    return entries
+
+
+def checkpoint_problem(path: Path) -> str:
+    """'' if the checkpoint is the one save_checkpoint wrote (every file of its manifest present, same size and
+    sha256, nothing added), else what differs: resuming flipped bytes silently trained on garbage."""
+    try:
+        expected = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{path / MANIFEST} is missing or unreadable"
+    found = manifest(path)
+    if found == expected:
+        return ""
+    changed = sorted(name for name in set(found) | set(expected) if found.get(name) != expected.get(name))
+    return f"{', '.join(changed[:5])} differ from {path / MANIFEST} (size or sha256; files missing, changed or added)"
+
+
+class CheckpointUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; this loads only the classes DCP writes into it, so a planted pickle in a
+    checkpoint from elsewhere cannot run code on --resume (plain pickle would call anything it names)."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+               *(("torch.distributed.checkpoint.metadata", name) for name in (
+                   "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                   "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class SafeCheckpointReader(dcp.FileSystemReader):
+    """FileSystemReader with .metadata read by CheckpointUnpickler (tensors are read with weights_only=True by DCP)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as file:
+            metadata = CheckpointUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
 def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
-    """Restores model, optimizer and RNG states; returns the iteration to continue from."""
-    import torch.distributed.checkpoint as dcp
+    """Restores model, optimizer and RNG states after checking the checkpoint against its manifest; returns
+    the iteration to continue from. Refuses a checkpoint that is not what save_checkpoint wrote, in one line."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    path = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    root = run_dir / "checkpoints"
+    name = (root / "latest").read_text().strip()
+    path = root / name
+    problem = "" if re.fullmatch(r"iter-\d{6}", name) else f"{root / 'latest'} names {name!r}, not an iter-NNNNNN checkpoint"
+    problem = broadcast_from_rank0(problem or (checkpoint_problem(path) if rank == 0 else ""))
+    if problem:
+        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {problem}")
     model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    reader = SafeCheckpointReader(path)
+    try:
+        reader.read_metadata()  # here, so a refusal is one line (inside dcp.load it becomes a CheckpointException)
+    except pickle.UnpicklingError as error:
+        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {error}") from None
+    dcp.load(state, storage_reader=reader)
     keys = set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                           options=state_options())
     frozen = {name for name, p in transformer.named_parameters() if not p.requires_grad}
     if keys.unexpected_keys or set(keys.missing_keys) - frozen:
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing trainable "
-                           f"{sorted(set(keys.missing_keys) - frozen)[:5]}, unexpected {keys.unexpected_keys[:5]}")
-    rng = torch.load(path / f"rng-rank{rank}.pt")
+        raise ConfigError(f"checkpoint {path} does not match the model: missing trainable "
+                          f"{sorted(set(keys.missing_keys) - frozen)[:5]}, unexpected {keys.unexpected_keys[:5]}")
+    rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if rng["cuda"]:
         torch.cuda.set_rng_state_all(rng["cuda"])
@@ -537,6 +698,17 @@ def export_final(out: Path, model: models.FlowAdapter, lora: bool, rank: int) ->
     full = get_model_state_dict(model.transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank != 0:
         return
+    # Written whole into a temp dir, then renamed: a kill during the export never leaves a truncated final/.
+    tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_export(tmp, model, full, lora)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_export(out: Path, model: models.FlowAdapter, full: dict, lora: bool) -> None:
     if lora:
         from peft.utils import get_peft_model_state_dict
 
@@ -845,9 +1017,13 @@ def main(argv: list[str] | None = None) -> None:
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         prompts = load_prompts(cfg.prompts) if cfg.prompts else [Prompt(p, {}) for p in models.TINY_PROMPTS]
         eval_prompts = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else prompts[:8]
-    except ConfigError as error:
-        sys.exit(f"error: {error}")
-    train(cfg, family, prompts, eval_prompts)
+        names = rewards.parse_reward_spec(cfg.rewards)
+        check_prompts_for_rewards(prompts, names, cfg.prompts or "the built-in prompts")
+        if cfg.eval_prompts:
+            check_prompts_for_rewards(eval_prompts, names, cfg.eval_prompts)
+        train(cfg, family, prompts, eval_prompts)
+    except ConfigError as error:  # one line, from rank 0 only under torchrun (every rank finds the same)
+        sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 1)
 
 
 if __name__ == "__main__":
