@@ -1515,6 +1515,12 @@ BAD_INPUTS = [
     (["--resume", "{tmp}/foreign_run"], "config.json is not a train.py config (unknown entries ['steps'])"),
     (["--resume", "{tmp}/run", "--lora_rank", "16"], "--lora_rank 16 differs from the resumed run's 32"),
     (["--resume", "{tmp}/run", "--model", "tiny-flux"], "--model tiny-flux differs from the resumed run's tiny"),
+    (["--reward_aggregation", "sum"], "--reward_aggregation 'sum' is not one of advantage, reward"),
+    (["--param", "z"], "--param 'z' is not one of"),
+    (["--dtype", "float16"], "--dtype 'float16' is not one of auto, bfloat16, float32"),
+    (["--tracker", "mlflow"], "--tracker 'mlflow' is not one of none, tensorboard, wandb"),
+    (["--eval_prompts", "{tmp}/missing.txt"], "does not exist"),
+    (["--lora_targets", ""], "--lora_targets: name at least one module"),
 ]
 
 
@@ -1546,6 +1552,16 @@ def test_bad_input_is_one_clear_error_before_any_model_is_loaded(argv, message, 
         train.main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value)
     assert "\n" not in str(exit_info.value)
+
+
+def test_every_flag_has_a_bad_value_in_the_tables():
+    """Every non-boolean flag is exercised by BAD_INPUTS or BAD_NUMBERS (booleans cannot be given a bad value)."""
+    import typing
+    from dataclasses import fields
+
+    hints = typing.get_type_hints(train.Config)
+    covered = {a[2:] for argv, _ in BAD_INPUTS for a in argv[:1]} | set(BAD_NUMBERS)
+    assert {f.name for f in fields(train.Config) if hints[f.name] is not bool} <= covered
 
 
 # One value per numeric flag that breaks its rule (non-finite values are checked for every float flag below).

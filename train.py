@@ -248,6 +248,9 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"{local} samples per rank (num_prompts {cfg.num_prompts} x group_size {cfg.group_size} / "
                           f"{world_size} ranks) must split into --num_grad_steps {cfg.num_grad_steps} mini-batches "
                           f"of whole --micro_batch_size {cfg.micro_batch_size} micro-batches")
+    if not all(cfg.lora_targets.split(",")):
+        raise ConfigError(f"--lora_targets: name at least one module, comma-separated without empty names "
+                          f"(got {cfg.lora_targets!r}); e.g. {Config.lora_targets}")
     if cfg.t_min >= cfg.t_max:
         raise ConfigError(f"--t_min {cfg.t_min} must be below --t_max {cfg.t_max}")
     try:
