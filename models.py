@@ -12,6 +12,8 @@ Offline models (no hub access needed, random or briefly fitted weights, the real
 """
 
 import copy
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -35,10 +37,14 @@ class FlowAdapter:
     - timesteps() -> (sampling_steps + 1,) sigma grid from 1 to 0: exactly the grid the pipeline's own
       __call__ uses at this resolution and step count, so Euler rollouts equal `pipe(...)`.
     - decode(x) -> images (B, 3, H, W) in [0, 1].
+    For the memory plan (no weights needed): text_tokens() (the length of cond["embeds"]), cond_like(), and
+    reduced_depth(config): transformer config changes that keep every block type, the first block's type twice
+    (the first block of a stack saves less than later ones of its type).
     A new family is one subclass plus an entry in PIPELINE_FAMILIES and ADAPTERS.
     """
 
     pipeline_class = ""
+    block_lists = ("transformer_blocks",)  # the transformer's ModuleLists of blocks: FSDP units, planned per block
 
     def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, resolution: int, sampling_steps: int,
                  max_sequence_length: int, guidance: float = 3.5):
@@ -57,6 +63,19 @@ class FlowAdapter:
 
     def schedule_kwargs(self) -> dict:
         return {}
+
+    def text_tokens(self) -> int:
+        return self.max_sequence_length
+
+    def cond_like(self, batch: int, device="cpu") -> dict:
+        """Zero conditioning shaped as encode() returns it, from the transformer's config alone."""
+        config = self.transformer.config
+        return {"embeds": torch.zeros(batch, self.text_tokens(), config.joint_attention_dim, device=device),
+                "pooled": torch.zeros(batch, config.pooled_projection_dim, device=device)}
+
+    @staticmethod
+    def reduced_depth(config) -> dict:
+        raise NotImplementedError
 
     def image_tokens(self) -> int:
         """Transformer tokens of one image: what dynamic shifting's mu depends on."""
@@ -109,12 +128,28 @@ class SD3(FlowAdapter):
         # StableDiffusion3Pipeline.__call__: default sigmas; mu only where the scheduler shifts dynamically.
         return {"mu": self.mu()} if self.pipe.scheduler.config.get("use_dynamic_shifting") else {}
 
+    def text_tokens(self) -> int:
+        return 77 + self.max_sequence_length  # CLIP-L/G's 77 positions, then T5's
+
+    @staticmethod
+    def reduced_depth(config) -> dict:
+        """Block types in order: dual attention (where the model has any; the first type twice), plain, and the last
+        (context_pre_only)."""
+        dual = bool(config["dual_attention_layers"])
+        plain = config["num_layers"] - 1 > len(config["dual_attention_layers"])
+        return {"num_layers": 3 + (dual and plain), "dual_attention_layers": (0, 1) if dual else ()}
+
 
 class Flux(FlowAdapter):
     """FluxPipeline (FLUX.1-dev/schnell): latents packed in 2x2 patches (B, H/16 * W/16, 4C), position ids,
     a guidance embedding where the transformer has one (dev, not schnell); timestep in [0, 1]."""
 
     pipeline_class = "FluxPipeline"
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
+
+    @staticmethod
+    def reduced_depth(config) -> dict:
+        return {"num_layers": 2, "num_single_layers": 1}  # the first double block, a later one, a single block
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict:
@@ -319,11 +354,14 @@ def reduced_pipeline(name: str, seed: int = 0):
                              clip_l=clip_l, clip_g=clip_g, t5=t5, clip_tok=clip_tok, t5_tok=t5_tok)
 
 
-def reduced_transformer(name: str):
-    """The transformer of REAL_CONFIGS[name] at real width, 2 blocks (SD3 family) or 1 + 1 (FLUX), random weights."""
+def reduced_transformer(name: str, full: bool = False):
+    """The transformer of REAL_CONFIGS[name] at real width, 2 blocks (SD3 family) or 1 + 1 (FLUX), random weights;
+    full: at its real depth (build it on the meta device)."""
     from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
 
     spec = REAL_CONFIGS[name]
+    if full:
+        return (SD3Transformer2DModel if spec["family"] == "sd3" else FluxTransformer2DModel)(**spec["transformer"])
     if spec["family"] == "sd3":
         dual = (0,) if spec["transformer"]["dual_attention_layers"] else ()
         return SD3Transformer2DModel(**{**spec["transformer"], "num_layers": 2, "dual_attention_layers": dual})
@@ -385,3 +423,282 @@ def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size:
         loss.backward()
         opt.step()
     transformer.eval().requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory plan: what each GPU holds, counted before any weight is loaded. Parameters come from the configs on the
+# meta device (exact, instant); activations from one real-width block of each block type run on the CPU with the
+# training path's own autocast and LoRA (exact for that block), scaled by the number of such blocks and rows.
+
+GiB = 2**30
+HUB_IDS = {"stabilityai/stable-diffusion-3-medium-diffusers": "sd3-medium",
+           "stabilityai/stable-diffusion-3.5-medium": "sd3.5-medium", "stabilityai/stable-diffusion-3.5-large": "sd3.5-large",
+           "black-forest-labs/FLUX.1-dev": "flux.1-dev", "black-forest-labs/FLUX.1-schnell": "flux.1-schnell"}
+# Full-size text encoders and VAE (../shared/REAL-CONFIGS.md: Stability's sd3_infer.py, the published configs).
+FULL_TEXT_ENCODERS = {
+    "clip_l": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                   projection_dim=768, max_position_embeddings=77, hidden_act="quick_gelu"),
+    "clip_g": dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                   num_attention_heads=20, projection_dim=1280, max_position_embeddings=77, hidden_act="gelu"),
+    "t5": dict(vocab_size=32128, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
+               feed_forward_proj="gated-gelu", decoder_start_token_id=0),
+}
+FULL_VAE = dict(block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+                up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=16, layers_per_block=2, norm_num_groups=32,
+                use_quant_conv=False, use_post_quant_conv=False)
+
+
+def meta_components(model: str) -> tuple[str, dict]:
+    """(family, {component name: nn.Module on the meta device}) of a pipeline from its configs alone: a hub id of
+    HUB_IDS (offline, REAL_CONFIGS), or a pipeline directory whose model_index.json and config.json files are enough
+    (weights are not read). Tiny models are built for real (they are small)."""
+    import json
+    import os
+
+    import diffusers
+    import transformers
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, T5Config
+
+    if model in TINY_MODELS:
+        pipe = tiny_pipeline(TINY_MODELS[model])
+        return TINY_MODELS[model], {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
+    with torch.device("meta"):
+        if model in HUB_IDS:
+            spec = REAL_CONFIGS[HUB_IDS[model]]
+            transformer = reduced_transformer(HUB_IDS[model], full=True)
+            vae = AutoencoderKL(**FULL_VAE, scaling_factor=spec["vae"][0], shift_factor=spec["vae"][1])
+            configs = {k: (T5Config if k == "t5" else CLIPTextConfig)(**v) for k, v in FULL_TEXT_ENCODERS.items()}
+            pipe = assemble_pipeline(spec["family"], transformer, None, vae, clip_tok=None, t5_tok=None, **configs)
+            return spec["family"], {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
+        if not os.path.isdir(model):
+            raise ValueError(f"{model}: the memory plan needs its configs offline: pass a pipeline directory (configs "
+                             f"suffice, no weights) or one of {', '.join(HUB_IDS)}")
+        index = json.loads(open(os.path.join(model, "model_index.json")).read())
+        components = {}
+        for name, entry in index.items():
+            if not (isinstance(entry, list) and entry[0] in ("diffusers", "transformers") and entry[1]):
+                continue
+            cls = getattr(diffusers if entry[0] == "diffusers" else transformers, entry[1])
+            folder = os.path.join(model, name)
+            if not issubclass(cls, torch.nn.Module):
+                continue  # schedulers, tokenizers
+            if entry[0] == "diffusers":
+                components[name] = cls.from_config(cls.load_config(folder))
+            else:
+                components[name] = cls(transformers.AutoConfig.from_pretrained(folder))
+        return PIPELINE_FAMILIES[index["_class_name"]], components
+
+
+def stored_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of parameters and buffers once loaded in `dtype` the way from_pretrained loads them: floating tensors
+    in dtype except the modules a model keeps in float32 (transformers: _keep_in_fp32_modules_strict always,
+    _keep_in_fp32_modules only for float16; so T5's wo is bfloat16 in a bfloat16 load)."""
+    keep = list(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
+    if dtype == torch.float16:
+        keep += list(getattr(module, "_keep_in_fp32_modules", None) or [])
+    total = 0
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if not t.is_floating_point():
+            total += t.numel() * t.element_size()
+        elif any(f".{k}." in f".{name}" for k in keep):
+            total += t.numel() * 4
+        else:
+            total += t.numel() * dtype.itemsize
+    return total
+
+
+class SavedBytes:
+    """Bytes autograd saves for backward during a forward, attributed to the block (FSDP unit) that saved them.
+    Storages are counted once, parameters not at all (their memory is counted as weights)."""
+
+    def __init__(self, transformer: torch.nn.Module, blocks: list[torch.nn.Module]):
+        self.params = {p.untyped_storage().data_ptr() for p in transformer.parameters()}
+        self.seen, self.current = set(), None
+        self.per_block = [0] * len(blocks)
+        self.inputs = [0] * len(blocks)  # what a checkpointed block keeps: its inputs
+        self.other = 0
+        for i, block in enumerate(blocks):
+            block.register_forward_pre_hook(partial(self._enter, i), with_kwargs=True)
+            block.register_forward_hook(lambda *_: setattr(self, "current", None))
+
+    def _enter(self, i, module, args, kwargs):
+        self.current = i
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        tensors += [t for a in (*args, *kwargs.values()) if isinstance(a, tuple) for t in a if isinstance(t, torch.Tensor)]
+        self.inputs[i] = sum(t.numel() * t.element_size() for t in tensors)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.params and ptr not in self.seen:
+            self.seen.add(ptr)
+            size = storage.nbytes()
+            if self.current is None:
+                self.other += size
+            else:
+                self.per_block[self.current] += size
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def block_signature(block: torch.nn.Module) -> int:
+    """Blocks of one type have the same number of base (non-LoRA) parameters; types differ."""
+    return sum(p.numel() for n, p in block.named_parameters() if "lora_" not in n)
+
+
+def blocks_of(transformer, adapter: type) -> list[torch.nn.Module]:
+    return [b for name in adapter.block_lists for b in getattr(transformer, name, [])]
+
+
+def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prepare, *, resolution: int,
+                       max_sequence_length: int) -> dict:
+    """Bytes saved for backward by a training forward of the full-depth transformer, as (fixed, per row) pairs:
+    {"other": pair, "blocks": [pair per full-depth block], "inputs": [pair per block: what a checkpointed block
+    keeps]}. Measured on the CPU on its real-width twin (adapter.reduced_depth: every block type, the first type
+    twice) with `prepare` (LoRA, fp32 master weights) and the adapter's own autocast, at 1 and 2 rows.
+
+    The first block differs from later blocks of its type: with LoRA its input does not require grad yet, so it
+    saves less (seen: 8.2 vs 9.4 MB per row). Part of what is saved does not grow with the batch (autocast's bf16
+    copies of the fp32 LoRA weights), hence the pairs."""
+    import types
+
+    config = dict(transformer_meta.config)
+    with torch.device("meta"):
+        twin = type(transformer_meta).from_config({**config, **adapter.reduced_depth(config)})
+    twin = materialize(twin, dtype)
+    prepare(twin)
+    model = adapter(types.SimpleNamespace(transformer=twin, vae_scale_factor=8), dtype, resolution=resolution,
+                    sampling_steps=1, max_sequence_length=max_sequence_length)
+    twin_blocks = blocks_of(twin, adapter)
+    runs = []
+    for rows in (1, 2):
+        saved = SavedBytes(twin, twin_blocks)
+        with saved.hooks():
+            model.velocity(torch.zeros(rows, *model.latent_shape()), torch.full((rows,), 0.5), model.cond_like(rows))
+        runs.append(saved)
+
+    def pair(get) -> tuple[float, float]:  # saved(rows) = fixed + per_row * rows, from rows 1 and 2
+        one, two = get(runs[0]), get(runs[1])
+        return 2 * one - two, two - one
+
+    later = {block_signature(b): i for i, b in enumerate(twin_blocks) if i > 0}
+    index = [0] + [later[block_signature(b)] for b in blocks_of(transformer_meta, adapter)[1:]]
+    return {"other": pair(lambda r: r.other), "blocks": [pair(lambda r, i=i: r.per_block[i]) for i in index],
+            "inputs": [pair(lambda r, i=i: r.inputs[i]) for i in index]}
+
+
+def materialize(module: torch.nn.Module, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
+    """A meta-device module on the CPU in `dtype` with N(0, 0.02) weights: what is saved for backward depends on
+    shapes and dtypes only, and this is several times faster than the layers' own initialisers."""
+    module = module.to_empty(device="cpu").to(dtype)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            if t.is_floating_point():
+                t.normal_(0, 0.02, generator=g)
+    return module
+
+
+def saved_bytes(pairs, rows: int) -> float:
+    return sum(fixed + per_row * rows for fixed, per_row in pairs)
+
+
+@dataclass
+class MemoryPlan:
+    rows: list[tuple[str, float, str]]  # (part, GiB per GPU, when it is held)
+    phases: dict[str, float]  # phase -> GiB per GPU at its peak
+    gpu_gb: float
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases.values())
+
+    def fits(self, headroom: float = 0.10) -> bool:
+        return self.peak <= (1 - headroom) * self.gpu_gb
+
+    def table(self) -> str:
+        width = max(len(r[0]) for r in self.rows)
+        lines = [f"{'part'.ljust(width)} | GiB/GPU | held", f"{'-' * width} | ------- | ----"]
+        lines += [f"{part.ljust(width)} | {gib:7.2f} | {when}" for part, gib, when in self.rows]
+        lines.append("phase peaks: " + ", ".join(f"{k} {v:.1f} GiB" for k, v in self.phases.items()))
+        lines.append(f"per GPU: {self.peak:.1f} GiB of {self.gpu_gb:g} GiB")
+        return "\n".join(lines)
+
+
+def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: int, gpu_gb: float, lora_params: int,
+                micro_rows: int, rollout_rows: int, grad_checkpointing: bool, gather_once: bool, reward_bytes: int,
+                offload_text_encoders: bool, activations: dict, decode_bytes: int) -> MemoryPlan:
+    """Per-GPU memory of one training iteration under FSDP2 over `world` ranks, by phase.
+
+    always: transformer shard (1/world of its weights, float32 where trained in full), replicated buffers, the
+    trainable float32 weights + gradients + AdamW moments (sharded), VAE, reward models; text encoders unless
+    offloaded. encode: + text encoders. rollout: + the whole transformer gathered in dtype (gather_once; else two
+    blocks at a time) and one block's intermediates for the rollout batch, or the VAE's largest layer. train: + the
+    two largest blocks gathered (current + prefetched) and the activations saved for backward of one micro-batch
+    (micro_batch_size x K rows), or with checkpointing the blocks' inputs plus one block recomputed."""
+    transformer = components["transformer"]
+    blocks = blocks_of(transformer, adapter)
+    n_params = sum(p.numel() for p in transformer.parameters())
+    full_ft = lora_params == 0
+    weights = n_params * (4 if full_ft else dtype.itemsize) / world  # FSDP2 shards frozen weights too
+    buffers = sum(b.numel() * dtype.itemsize for b in transformer.buffers())
+    trained = n_params if full_ft else lora_params
+    states = trained * (12 if full_ft else 16) / world  # fp32 grads + 2 moments (+ the fp32 weight itself for LoRA)
+    text = sum(stored_bytes(m, dtype) for k, m in components.items() if k.startswith("text_encoder"))
+    vae = stored_bytes(components["vae"], dtype)
+    gathered = (n_params + lora_params) * dtype.itemsize if world > 1 else 0  # world 1: the weights are whole
+    block_bytes = sorted((sum(p.numel() for p in b.parameters()) * dtype.itemsize for b in blocks), reverse=True)
+    gathered_train = sum(block_bytes[:2]) if world > 1 else 0
+    blocks_saved = [saved_bytes([p], micro_rows) for p in activations["blocks"]]
+    train_act = saved_bytes([activations["other"]], micro_rows) + (
+        saved_bytes(activations["inputs"], micro_rows) + max(blocks_saved) if grad_checkpointing else sum(blocks_saved))
+    rollout_act = max(saved_bytes([p], rollout_rows) for p in activations["blocks"])
+    always = weights + buffers + states + vae + reward_bytes + (0 if offload_text_encoders else text)
+    g = lambda b: b / GiB  # noqa: E731
+    shard = f"1/{world} shard" if world > 1 else "unsharded"
+    rows = [
+        (f"transformer weights ({shard}, {'float32, trained' if full_ft else str(dtype)[6:]})", g(weights), "always"),
+        ("transformer buffers (replicated: position tables)", g(buffers), "always"),
+        (f"trainable {trained / 1e6:.1f} M: float32 " + ("grads + AdamW" if full_ft else "weights + grads + AdamW"),
+         g(states), "always"),
+        ("VAE", g(vae), "always"),
+        ("reward models", g(reward_bytes), "always"),
+        (f"text encoders ({str(dtype)[6:]})", g(text), "encode" if offload_text_encoders else "always"),
+        ("transformer gathered whole for rollouts" if gather_once else "two largest blocks gathered (per ODE step)",
+         g(gathered if gather_once else gathered_train), "rollout"),
+        (f"rollout intermediates ({rollout_rows} rows: one block, or the largest VAE layer)",
+         g(max(rollout_act, decode_bytes)), "rollout"),
+        ("two largest blocks gathered", g(gathered_train), "train"),
+        (f"activations saved for backward ({micro_rows} rows, checkpointing {'on' if grad_checkpointing else 'off'})",
+         g(train_act), "train"),
+    ]
+    phases = {"encode": g(always + (text if offload_text_encoders else 0)),
+              "rollout": g(always) + rows[6][1] + rows[7][1],
+              "train": g(always) + rows[8][1] + rows[9][1]}
+    return MemoryPlan(rows, phases, gpu_gb)
+
+
+def decode_intermediates(vae_meta: torch.nn.Module, latent: tuple[int, ...], rows: int, dtype: torch.dtype) -> int:
+    """Largest input + output of one VAE decoder layer for `rows` images, traced where the VAE lives (the meta device
+    for real models): what a no-grad decode holds at least at its peak."""
+    largest = [0]
+
+    def hook(module, args, out):
+        size = sum(t.numel() for t in (*args, out) if isinstance(t, torch.Tensor)) * dtype.itemsize
+        largest[0] = max(largest[0], size)
+
+    handles = [m.register_forward_hook(hook) for m in vae_meta.decoder.modules() if not list(m.children())]
+    with torch.no_grad():
+        vae_meta.decoder(torch.zeros(rows, *latent, device=next(vae_meta.parameters()).device))
+    for handle in handles:
+        handle.remove()
+    return largest[0]
+
+
+def lora_parameters(transformer: torch.nn.Module, rank: int, targets: list[str]) -> int:
+    """Parameters LoRA of `rank` adds on the Linear layers peft matches to `targets` (A: r x in, B: out x r)."""
+    return sum(rank * (m.in_features + m.out_features) for name, m in transformer.named_modules()
+               if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))

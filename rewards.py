@@ -491,8 +491,8 @@ def http_factory(port: int, what: str) -> Callable[..., Reward]:
 
 def reward_server(reward: Reward, name: str, *, host: str = "127.0.0.1", port: int = 8000, timeout: float = 60.0,
                   max_request_bytes: int = MAX_REQUEST_BYTES) -> ThreadingHTTPServer:
-    """A server for `reward` over the HTTP protocol (start it with serve_forever()). Each connection has its own thread and a socket
-    timeout, and bodies above max_request_bytes are refused, so a slow or broken client holds only itself;
+    """A server for `reward` over the HTTP protocol (start it with serve_forever()). Each connection has its own
+    thread and a socket timeout, and bodies above max_request_bytes are refused, so a slow or broken client holds only itself;
     the reward itself runs one request at a time (models are not assumed thread-safe)."""
     lock = threading.Lock()
 
@@ -606,6 +606,34 @@ def check_options(name: str, options: Any) -> None:
                              f"{params[key].default!r}), got {value!r}")
     if getattr(factory, "offline", False):
         factory(**options)
+
+
+def reward_model_bytes(name: str, dtype: str = "float32") -> int:
+    """Parameter bytes of a reward's model, from its architecture on the meta device (for the memory plan; no
+    download): CLIP ViT-H/14 for pickscore and hpsv21, ViT-L/14 for clipscore and aesthetic, BLIP (ViT-L + BERT
+    with cross-attention, ImageReward's) for imagereward; 0 for rewards without a model or served over HTTP."""
+    from transformers import BlipConfig, BlipForImageTextRetrieval, CLIPConfig, CLIPModel
+
+    clip = {"h14": (dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
+                    dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16), 1024),
+            "l14": (dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+                    dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16), 768)}
+    kind = {"pickscore": "h14", "hpsv21": "h14", "clipscore": "l14", "aesthetic": "l14", "imagereward": "blip"}.get(name)
+    with torch.device("meta"):
+        if kind == "blip":
+            model = BlipForImageTextRetrieval(BlipConfig(
+                vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                                   image_size=224, patch_size=16),
+                text_config=dict(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                 num_attention_heads=12, encoder_hidden_size=1024)))
+        elif kind:
+            text, vision, projection = clip[kind]
+            model = CLIPModel(CLIPConfig(text_config={**text, "vocab_size": 49408, "max_position_embeddings": 77},
+                                         vision_config={**vision, "patch_size": 14, "image_size": 224},
+                                         projection_dim=projection))
+        else:
+            return 0
+    return sum(p.numel() for p in model.parameters()) * _dtype(dtype).itemsize
 
 
 # What a reward needs from every prompt, checked before training: name -> check(text, metadata), raising ValueError.

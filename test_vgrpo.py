@@ -12,7 +12,10 @@ import json
 import math
 import os
 import pickle
+import re
+import shlex
 import subprocess
+import types
 import sys
 import urllib.error
 import urllib.request
@@ -1451,8 +1454,8 @@ def assert_float32_master_step(params, before, grads, optimizer, frozen_modules,
         # off by ~|w| 2^-9, a missing bias correction by ~lr.
         bound = (p.detach().double().abs() + 10 * lr) * 2**-24
         assert ((realised - intended).abs() <= bound).all(), n
-    frozen = [p for m in frozen_modules for n, p in m.named_parameters() if not p.requires_grad and ".wo." not in n]
-    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)  # but T5's wo, which diffusers keeps in fp32
+    frozen = [p for m in frozen_modules for p in m.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)  # T5's wo too (transformers 5 keeps it only in fp16)
 
 
 def test_bf16_lora_training_keeps_float32_master_weights_and_matches_an_fp32_step(real_dirs):
@@ -1479,6 +1482,110 @@ def test_bf16_full_finetuning_keeps_float32_master_weights(real_dirs):
                                                             "--lora_rank", "0")
     assert len(params) == len(list(model.transformer.parameters()))
     assert_float32_master_step(params, before, grads, optimizer, [model.pipe.text_encoder_3, model.pipe.vae])
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory plan
+
+
+def saved_for_backward(model, rows):
+    """Bytes autograd saves in one training forward of `model` (an adapter), measured with real tensors on the CPU."""
+    saved = models.SavedBytes(model.transformer, [])
+    with saved.hooks():
+        model.velocity(torch.zeros(rows, *model.latent_shape()), torch.full((rows,), 0.5), model.cond_like(rows))
+    return saved.other
+
+
+@pytest.mark.parametrize("name,depth", [("sd3.5-medium", {"num_layers": 5, "dual_attention_layers": (0, 1, 2)}),
+                                        ("flux.1-dev", {"num_layers": 2, "num_single_layers": 3})])
+def test_memory_plan_matches_a_measured_cpu_run_at_real_width(name, depth, real_dirs):
+    """The plan extrapolates activations from a twin holding each block type (the first twice) to the model's depth
+    and batch, and counts parameters from configs on the meta device. Checked against what real tensors hold:
+    bytes saved for backward by a real-width model of a depth the twin does not have (SD3.5: 3 dual blocks, 1 plain,
+    the last; FLUX: 2 double, 3 single) at 3 rows in bf16 autocast with LoRA, and the bytes train.load_pipeline
+    holds per component of a saved pipeline."""
+    cfg = train.Config(model=str(real_dirs / name), resolution=64, max_sequence_length=8)
+    family, components = models.meta_components(cfg.model)
+    loaded = train.load_pipeline(cfg, family, torch.device("cpu"), torch.bfloat16)
+    for component, module in components.items():
+        held = [*loaded.pipe.components[component].parameters(), *loaded.pipe.components[component].buffers()]
+        assert models.stored_bytes(module, torch.bfloat16) == sum(t.numel() * t.element_size() for t in held), component
+
+    with torch.device("meta"):
+        deeper = type(components["transformer"]).from_config({**dict(components["transformer"].config), **depth})
+    adapter = models.ADAPTERS[family]
+    profile = models.activation_profile(deeper, adapter, torch.bfloat16, partial(train.make_trainable, cfg=cfg),
+                                        resolution=64, max_sequence_length=8)
+    real = models.materialize(deeper, torch.bfloat16, seed=1)
+    train.make_trainable(real, cfg)
+    rows = 3
+    measured = saved_for_backward(adapter_for(types.SimpleNamespace(transformer=real, vae_scale_factor=8), family,
+                                              torch.bfloat16, resolution=64), rows)
+    planned = models.saved_bytes([profile["other"], *profile["blocks"]], rows)
+    # Exact up to storages shared differently between blocks; measured: equal to the byte.
+    print(f"planned {planned} measured {measured}")
+    assert planned == pytest.approx(measured, rel=1e-3), (planned, measured)
+
+
+def test_plan_cli_says_whether_it_fits_from_a_config_only_directory(real_dirs, tmp_path, capsys):
+    """--plan reads configs only (the directory has no weights), prints the table ending in 'per GPU: X GiB of G GiB',
+    exits 0 when it fits with 10% headroom, else 1 with flags that make it fit (and they do)."""
+    root = tmp_path / "configs"
+    shutil.copytree(real_dirs / "sd3.5-medium", root, ignore=shutil.ignore_patterns("*.safetensors"))
+    argv = ["--plan", "--model", str(root), "--resolution", "128", "--max_sequence_length", "16", "--rewards",
+            "color", "--plan_world_size", "2", "--num_prompts", "2", "--group_size", "8", "--micro_batch_size", "8",
+            "--num_mc", "4"]
+
+    def plan(*extra):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(argv + list(extra))
+        return exit_info.value.code, capsys.readouterr().out
+
+    code, out = plan("--plan_gpu_gb", "80")
+    last = out.strip().splitlines()[-1]
+    assert code == 0 and re.fullmatch(r"per GPU: [0-9.]+ GiB of 80 GiB", last)
+    assert "reward models" in out and "activations saved for backward (32 rows" in out
+    tight = ["--plan_gpu_gb", last.split()[2]]
+    code, _ = plan(*tight)
+    advice = re.fullmatch(r"error: does not fit .* with 10% headroom: (.*) makes it fit \(.*\)", str(code))
+    assert advice, code
+    assert plan(*tight, *shlex.split(advice.group(1)))[0] == 0  # the advice is a configuration that fits
+
+
+def test_gpu_launch_refuses_a_plan_that_does_not_fit_before_loading(monkeypatch):
+    monkeypatch.setattr(train, "load_pipeline", lambda *a, **k: pytest.fail("a model was loaded"))
+    cfg = train.Config(micro_batch_size=4)
+    with pytest.raises(train.ConfigError, match="the memory plan needs .* GiB per GPU of 0 GiB"):
+        train.check_memory_plan(cfg, "sd3", 1, 1e-3, rank=0)
+    train.check_memory_plan(cfg, "sd3", 1, 80.0, rank=0)  # the tiny model fits anything
+
+
+def test_sharded_transformer_and_offloaded_text_encoders_are_not_placed_on_the_device_at_load(tiny_dirs):
+    """Under FSDP2 the transformer stays on the CPU until fully_shard moves each shard (a whole copy per GPU cost
+    24-61 GiB at load time); offloaded text encoders stay on the CPU; the VAE goes to the device (meta stands in for
+    a GPU here)."""
+    cfg = train.Config(model=str(tiny_dirs / "sd3"))
+    model = train.load_pipeline(cfg, "sd3", torch.device("meta"), torch.float32, sharded=True)
+    places = {name: next(m.parameters()).device.type for name, m in model.pipe.components.items()
+              if isinstance(m, torch.nn.Module)}
+    assert places == {"transformer": "cpu", "text_encoder": "cpu", "text_encoder_2": "cpu", "text_encoder_3": "cpu",
+                      "vae": "meta"}
+    model = train.load_pipeline(train.Config(model=str(tiny_dirs / "sd3"), offload_text_encoders=False), "sd3",
+                                torch.device("meta"), torch.float32)
+    assert all(next(m.parameters()).is_meta for m in model.pipe.components.values() if isinstance(m, torch.nn.Module))
+
+
+def test_offloaded_text_encoders_visit_the_device_only_while_encoding(monkeypatch):
+    model = adapter_for(models.tiny_pipeline("sd3"), "sd3")
+    moves = []
+    for name, module in model.pipe.components.items():
+        if name.startswith("text_encoder"):
+            real_to = module.to
+            monkeypatch.setattr(module, "to", lambda d, _to=real_to, _n=name: (moves.append((_n, str(d))), _to(d))[1])
+    cond = train.encode(model, ["a red car"], torch.device("cpu"), offload=True)
+    assert [d for _, d in moves] == ["cpu"] * 3 + ["cpu"] * 3 and len({n for n, _ in moves}) == 3
+    for k, v in model.encode(["a red car"]).items():
+        torch.testing.assert_close(cond[k], v, rtol=0, atol=0)
 
 
 BAD_INPUTS = [
@@ -1571,7 +1678,7 @@ BAD_NUMBERS = {
     "soft_clip_eta": 0, "clip_eps": -1, "kl_coef": -1, "num_grad_steps": 0, "iterations": 0, "lr": 1e30,
     "weight_decay": -0.1, "max_grad_norm": -1, "lora_rank": -1, "lora_alpha": 0, "micro_batch_size": 0,
     "rollout_batch_size": 0, "hsdp": -1, "max_skipped_steps": 0, "seed": -1, "log_every": 0, "eval_every": -1,
-    "save_every": 0,
+    "save_every": 0, "plan_world_size": -1, "plan_gpu_gb": -1,
 }
 
 

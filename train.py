@@ -107,6 +107,9 @@ class Config:
     rollout_batch_size: int = arg(32, "samples per sampling / decoding / reward call (per rank)")
     dtype: str = arg("auto", "compute dtype: auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
     grad_checkpointing: bool = arg(False, "activation checkpointing in the transformer")
+    offload_text_encoders: bool = arg(True, "keep the frozen text encoders on the CPU, on the GPU only while encoding")
+    rollout_gather_once: bool = arg(True, "under FSDP2 gather the transformer once per rollout batch, not once per ODE "
+                                          "step (fewer all-gathers; holds one unsharded copy during rollouts)")
     hsdp: int = arg(0, "HSDP replica groups: shard within each, replicate across (0 = one per node on several nodes, "
                        "1 = plain FSDP over all ranks)")
     seed: int = arg(0, "base seed; see the seeding rules in train()")
@@ -117,17 +120,23 @@ class Config:
     max_skipped_steps: int = arg(3, "stop as diverged after this many consecutive skipped (non-finite) gradient steps")
     save_every: int = arg(10, "iterations between checkpoints (also on SIGTERM / SIGINT and at the end)")
     tracker: str = arg("none", "none | tensorboard | wandb (metrics.jsonl is always written)")
+    # --- memory plan
+    plan: bool = arg(False, "print the per-GPU memory plan from the configs (no weights loaded) and exit: 0 if it fits "
+                            "with 10% headroom, else 1 with the flag that would make it fit")
+    plan_world_size: int = arg(0, "GPUs to plan for (0: torchrun's WORLD_SIZE, else the visible GPUs)")
+    plan_gpu_gb: float = arg(0.0, "GiB per GPU to plan for (0: the visible GPU's memory)")
 
 
 PRESETS = {
     # K = 8: on the pipeline's own (finer-ending) grid the tiny run with K = 4 learned then fell back (eval 0.573 ->
     # 0.615 at iteration 40 -> 0.554 at 60); K = 8 rose steadily (0.578 -> 0.650 at 40) for 20% more time.
     "tiny": dict(num_mc=8),
-    # Paper, SD3.5-Medium stage 1 (preference): fully on-policy, soft clip only.
+    # Paper, SD3.5-Medium stage 1 (preference): fully on-policy, soft clip only. micro_batch_size 4 (16 rows of
+    # K = 4 per forward): the memory plan (--plan) puts 8 at 87 GiB per GPU, 4 at 49 GiB of 80; same compute.
     "sd35m": dict(model="stabilityai/stable-diffusion-3.5-medium", resolution=512, max_sequence_length=256,
                   rewards="hpsv21:1,pickscore:1,clipscore:1", num_prompts=48, group_size=24, sampling_steps=40,
                   solver="euler", num_mc=4, num_grad_steps=1, soft_clip_eta=3.0, clip_eps=None, lr=3e-4,
-                  lora_rank=32, lora_alpha=64, iterations=150, micro_batch_size=8, rollout_batch_size=24),
+                  lora_rank=32, lora_alpha=64, iterations=150, micro_batch_size=4, rollout_batch_size=24),
     # Paper, FLUX.1-dev: 16-step higher-order ODE, ratio clip (+ soft clip). Group size, batch, the number of
     # gradient steps and the optimiser are not in the paper's text we have: inferred, see README.
     "flux": dict(model="black-forest-labs/FLUX.1-dev", resolution=720, max_sequence_length=512,
@@ -213,7 +222,7 @@ NUMERIC_RULES = {
     "lr": _positive(1), "weight_decay": _at_least(0), "max_grad_norm": _positive(), "lora_rank": _at_least(0),
     "lora_alpha": _positive(), "micro_batch_size": _at_least(1), "rollout_batch_size": _at_least(1),
     "hsdp": _at_least(0), "max_skipped_steps": _at_least(1), "seed": _at_least(0), "log_every": _at_least(1), "eval_every": _at_least(0),
-    "save_every": _at_least(1),
+    "save_every": _at_least(1), "plan_world_size": _at_least(0), "plan_gpu_gb": _at_least(0),
 }
 
 
@@ -278,14 +287,107 @@ def validate(cfg: Config, world_size: int) -> str:
     family = model_family(cfg.model)
     if family == "flux" and cfg.cfg_scale != 1.0:
         raise ConfigError("--cfg_scale applies to SD3 only; FLUX.1-dev uses --flux_guidance")
-    if not cfg.prompts and cfg.model not in models.TINY_MODELS:
+    if not cfg.prompts and cfg.model not in models.TINY_MODELS and not cfg.plan:
         raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
     return family
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory plan (models.memory_plan): before any weight is loaded, on --plan and at every GPU launch
+
+
+def plan_world_and_memory(cfg: Config) -> tuple[int, float]:
+    """--plan_world_size / --plan_gpu_gb, else torchrun's world size or the visible GPUs and their memory."""
+    world = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count()
+    gpu_gb = cfg.plan_gpu_gb or (torch.cuda.get_device_properties(0).total_memory / models.GiB
+                                 if torch.cuda.is_available() else 0)
+    if not world or not gpu_gb:
+        raise ConfigError("--plan: no GPU is visible here; say what to plan for with --plan_world_size N --plan_gpu_gb G")
+    return world, gpu_gb
+
+
+def plan_memory(cfg: Config, family: str, world: int, gpu_gb: float) -> tuple[models.MemoryPlan, str]:
+    """The per-GPU memory plan of cfg on `world` GPUs of gpu_gb GiB and, when it does not fit, the flags that make
+    it fit: levers taken cheapest first and cumulatively (a smaller micro-batch costs nothing at all; then smaller
+    rollout batches, gathering per ODE step, activation checkpointing: one more forward)."""
+    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+    try:
+        _, components = models.meta_components(cfg.model)
+    except (ValueError, OSError) as error:
+        raise ConfigError(f"--plan: {error}") from None
+    adapter, transformer, vae = models.ADAPTERS[family], components["transformer"], components["vae"]
+    activations = models.activation_profile(transformer, adapter, dtype, partial(make_trainable, cfg=cfg),
+                                            resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length)
+    lora = models.lora_parameters(transformer, cfg.lora_rank, cfg.lora_targets.split(",")) if cfg.lora_rank else 0
+    side = cfg.resolution // 2 ** (len(vae.config.block_out_channels) - 1)
+    local = cfg.num_prompts // world * cfg.group_size
+
+    def plan_of(c: Config) -> models.MemoryPlan:
+        options = json.loads(c.reward_options)
+        rollout_rows = min(c.rollout_batch_size, local)
+        return models.memory_plan(
+            components, adapter, dtype=dtype, world=world, gpu_gb=gpu_gb, lora_params=lora,
+            micro_rows=c.micro_batch_size * c.num_mc, rollout_rows=rollout_rows * (2 if c.cfg_scale != 1.0 else 1),
+            grad_checkpointing=c.grad_checkpointing, gather_once=c.rollout_gather_once,
+            reward_bytes=sum(rewards.reward_model_bytes(name, options.get(name, {}).get("dtype", "float32"))
+                             for name in rewards.parse_reward_spec(c.rewards)),
+            offload_text_encoders=c.offload_text_encoders, activations=activations,
+            decode_bytes=models.decode_intermediates(vae, (vae.config.latent_channels, side, side), rollout_rows, dtype))
+
+    plan = plan_of(cfg)
+    if plan.fits():
+        return plan, ""
+    # Not a lever: reward models in bf16 (their `dtype` option). Scores within 1e-3 of fp32 would need checking on
+    # the real weights, which cannot be downloaded here; the plan counts them in the dtype they are given.
+    levers = [{}, {"rollout_batch_size": max(1, cfg.rollout_batch_size // 4)}, {"rollout_gather_once": False},
+              {"grad_checkpointing": True}]
+    mini, changes = local // cfg.num_grad_steps, {}
+    for lever in levers:
+        changes.update(lever)
+        for micro in sorted((m for m in range(1, cfg.micro_batch_size + 1) if mini % m == 0), reverse=True):
+            other = plan_of(Config(**{**asdict(cfg), **changes, "micro_batch_size": micro}))
+            if other.fits():
+                changed = {k: v for k, v in {**changes, "micro_batch_size": micro}.items() if getattr(cfg, k) != v}
+                return plan, f"{flags_for(changed)} makes it fit ({other.peak:.1f} GiB)"
+    return plan, "nothing fits on this many GPUs: add GPUs, or lower --resolution or --lora_rank"
+
+
+def flags_for(changes: dict) -> str:
+    """Command-line flags that set `changes`."""
+    words = []
+    for name, value in changes.items():
+        if isinstance(value, bool):
+            words.append(f"--{'' if value else 'no-'}{name}")
+        else:
+            words.append(f"--{name} {value}")
+    return " ".join(words)
+
+
+def check_memory_plan(cfg: Config, family: str, world: int, gpu_gb: float | None, rank: int) -> None:
+    """At a GPU launch (gpu_gb: the device's memory; None on CPU): refuse a config whose plan does not fit, in one
+    line and before any weight is loaded."""
+    if gpu_gb is None:
+        return
+    problem = ""
+    if rank == 0:
+        try:
+            plan, advice = plan_memory(cfg, family, world, gpu_gb)
+        except ConfigError as error:  # e.g. a hub id whose configs are not known offline: plan nothing, say so
+            print(f"warning: no memory plan ({error})", flush=True)
+            plan = None
+        if plan is not None and not plan.fits():
+            problem = (f"the memory plan needs {plan.peak:.1f} GiB per GPU of {gpu_gb:.0f} GiB (10% headroom kept): "
+                       f"{advice}; see python train.py --plan with the same flags")
+    problem = broadcast_from_rank0(problem)
+    if problem:
+        raise ConfigError(problem)
 
 
 def model_family(model: str) -> str:
     if model in models.TINY_MODELS:
         return models.TINY_MODELS[model]
+    if model in models.HUB_IDS:  # the presets' checkpoints: known offline
+        return models.REAL_CONFIGS[models.HUB_IDS[model]]["family"]
     if os.path.isdir(model):
         index = Path(model) / "model_index.json"
         if not index.is_file():
@@ -392,21 +494,43 @@ def generator(seed: int, *keys: int | str) -> torch.Generator:
 # Models: loading, trainable parameters, FSDP2 (family details live in models.py)
 
 
-def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype) -> models.FlowAdapter:
-    """The pipeline, frozen and in the compute dtype, behind its family's adapter."""
+def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype,
+                  sharded: bool = False) -> models.FlowAdapter:
+    """The pipeline, frozen and in the compute dtype, behind its family's adapter. sharded: FSDP2 will place the
+    transformer (apply_fsdp), so it stays on the CPU here."""
     import diffusers
 
     adapter = models.ADAPTERS[family]
     if cfg.model in models.TINY_MODELS:
         pipe = models.tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps).to(dtype=dtype)
-    else:  # from_pretrained keeps the modules a model marks as float32-only (T5's wo) in float32
+    else:  # from_pretrained keeps the modules a model marks as float32-only in float32 (none in bf16 since transformers 5)
         pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, dtype=dtype)
-    # Frozen parts (VAE, text encoders) run replicated on every rank: they are not sharded and not trained.
-    for module in pipe.components.values():
+    # Frozen parts (VAE, text encoders) run replicated on every rank: they are not sharded and not trained. Nothing
+    # whole goes to the GPU that does not stay whole there: under FSDP2 the transformer stays on the CPU until
+    # fully_shard moves each block's shard (a full copy per GPU was 24-61 GiB at load time), and offloaded text
+    # encoders visit the GPU only inside encode().
+    for name, module in pipe.components.items():
         if isinstance(module, torch.nn.Module):
-            module.to(device).eval().requires_grad_(False)
+            module.eval().requires_grad_(False)
+            stays = (name == "transformer" and sharded) or (name.startswith("text_encoder") and cfg.offload_text_encoders)
+            module.to("cpu" if stays else device)
     return adapter(pipe, dtype, resolution=cfg.resolution, sampling_steps=cfg.sampling_steps,
                    max_sequence_length=cfg.max_sequence_length, guidance=cfg.flux_guidance)
+
+
+def encode(model: models.FlowAdapter, texts: list[str], device: torch.device, offload: bool) -> dict:
+    """The frozen text encoders on `texts`; offloaded ones are moved to the GPU for the call only (T5-XXL alone is
+    10.7 GiB in bf16: kept there it would hold that memory through rollouts and training)."""
+    encoders = [m for name, m in model.pipe.components.items() if name.startswith("text_encoder") and m is not None]
+    if offload:
+        for module in encoders:
+            module.to(device)
+    try:
+        return {k: v.to(device) for k, v in model.encode(texts).items()}
+    finally:
+        if offload:
+            for module in encoders:
+                module.to("cpu")
 
 
 def lora_config(cfg: Config):
@@ -803,7 +927,7 @@ def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prom
     x0, scores = [], {name: [] for name in reward_fns}
     for start in range(0, len(prompts), cfg.rollout_batch_size):
         rows = slice(start, start + cfg.rollout_batch_size)
-        with gathered_once(model.transformer):
+        with gathered_once(model.transformer) if cfg.rollout_gather_once else contextlib.nullcontext():
             x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
                                  solver=cfg.solver)
         images = model.decode(x)
@@ -843,17 +967,19 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     # data. After setup the global torch RNG, which the algorithm does not use, is seeded seed + rank.
     torch.manual_seed(cfg.seed)
 
+    gpu_gb = torch.cuda.get_device_properties(device).total_memory / models.GiB if device.type == "cuda" else None
+    check_memory_plan(cfg, family, world, gpu_gb, rank)
     weights = rewards.parse_reward_spec(cfg.rewards)
     options = json.loads(cfg.reward_options)
     reward_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {})) for name in weights}
-    model = load_pipeline(cfg, family, device, dtype)
+    model = load_pipeline(cfg, family, device, dtype, sharded=world > 1)
     transformer = model.transformer
     make_trainable(transformer, cfg)
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
     replicas = hsdp_replicas(cfg.hsdp, world)
     if world > 1:
-        apply_fsdp(transformer, device, dtype, replicas=replicas)
+        apply_fsdp(transformer, device, dtype, replicas=replicas)  # moves each block's shard to the device
     trainable = [p for p in transformer.parameters() if p.requires_grad]  # after FSDP2 swapped in sharded ones
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     torch.manual_seed(cfg.seed + rank)
@@ -867,7 +993,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     groups = range(rank * P_local, (rank + 1) * P_local)  # this rank's groups, in global numbering
     rollout_velocity = model.velocity
     if cfg.cfg_scale != 1.0:
-        rollout_velocity = guided(model.velocity, model.encode([""]), cfg.cfg_scale)
+        rollout_velocity = guided(model.velocity, encode(model, [""], device, cfg.offload_text_encoders), cfg.cfg_scale)
     # One surrogate function for theta_old and theta: same parameterisation, same weighting.
     surrogate = partial(vgrpo.elbo_surrogate, model.velocity, param=cfg.param, self_normalize=cfg.self_normalize,
                         chunk_size=cfg.micro_batch_size * K)
@@ -887,7 +1013,8 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         chosen = prompts_for_iteration(len(prompts), P, cfg.seed, it)
         batch = [prompts[chosen[g]] for g in groups for _ in range(G)]  # (P_local * G,) group-major
         # The frozen text encoders run once per prompt; rollouts and every training pass reuse the result.
-        cond = {k: v.repeat_interleave(G, dim=0) for k, v in model.encode([prompts[chosen[g]].text for g in groups]).items()}
+        texts = [prompts[chosen[g]].text for g in groups]
+        cond = {k: v.repeat_interleave(G, dim=0) for k, v in encode(model, texts, device, cfg.offload_text_encoders).items()}
         noise = initial_noise(cfg, model, "rollout", it, range(groups[0] * G, (groups[-1] + 1) * G), device)
         x0, scores = rollout(cfg, model, rollout_velocity, batch, cond, noise, reward_fns)
         timer["rollout"] = time.perf_counter()
@@ -994,7 +1121,8 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
     real = torch.tensor([rank * per_rank + i < len(eval_prompts) for i in range(per_rank)], device=device)
     noise = initial_noise(cfg, model, "eval", 0, indices, device)
     chosen = [eval_prompts[i] for i in indices]
-    x0, scores = rollout(cfg, model, velocity, chosen, model.encode([p.text for p in chosen]), noise, reward_fns)
+    cond = encode(model, [p.text for p in chosen], device, cfg.offload_text_encoders)
+    x0, scores = rollout(cfg, model, velocity, chosen, cond, noise, reward_fns)
     totals = {n: torch.stack([(s * real).sum(), real.sum().float()]) for n, s in scores.items()}
     if dist.is_initialized():
         for v in totals.values():
@@ -1017,6 +1145,11 @@ def summary_table(history: list[tuple[int, float, float | None]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_config(argv)
+        if cfg.plan:
+            world, gpu_gb = plan_world_and_memory(cfg)
+            plan, advice = plan_memory(cfg, validate(cfg, world), world, gpu_gb)
+            print(plan.table())
+            sys.exit(0 if plan.fits() else f"error: does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         prompts = load_prompts(cfg.prompts) if cfg.prompts else [Prompt(p, {}) for p in models.TINY_PROMPTS]
         eval_prompts = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else prompts[:8]
