@@ -75,23 +75,33 @@ def to_pil(images: torch.Tensor) -> list:
     return [Image.fromarray(a) for a in to_uint8(images)]
 
 
-def clip_preprocess(images: torch.Tensor, image_processor: Any) -> torch.Tensor:
-    """Tensor twin of a CLIP image processor's PIL path: resize (bicubic, antialiased like PIL),
-    centre crop, normalise. (B, 3, H, W) in [0, 1] -> (B, 3, crop_h, crop_w)."""
-    h, w = images.shape[-2:]
-    size = image_processor.size
-    if "shortest_edge" in size:  # keep the aspect ratio; the long side is truncated with int()
-        short = size["shortest_edge"]
-        new_h, new_w = (int(short * h / w), short) if w <= h else (short, int(short * w / h))
-    else:
-        new_h, new_w = size["height"], size["width"]
-    x = F.interpolate(images.float(), size=(new_h, new_w), mode="bicubic", antialias=True).clamp(0, 1)
-    crop_h, crop_w = image_processor.crop_size["height"], image_processor.crop_size["width"]
-    top, left = (new_h - crop_h) // 2, (new_w - crop_w) // 2
-    x = x[..., top:top + crop_h, left:left + crop_w]
-    mean = torch.tensor(image_processor.image_mean, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(image_processor.image_std, device=x.device).view(1, 3, 1, 1)
-    return (x - mean) / std
+def processor_preprocess(images: torch.Tensor, image_processor: Any) -> torch.Tensor:
+    """A CLIP image processor's own path, on the uint8 images a model card feeds it: (B, 3, H, W) in [0, 1] ->
+    normalised pixels. (Resizing the floats instead moved PickScore by 0.019 on a logit scale of 100.)"""
+    return image_processor(images=to_pil(images), return_tensors="pt").pixel_values
+
+
+def resize_longest_and_pad(images: torch.Tensor, image_processor: Any) -> torch.Tensor:
+    """HPSv2's evaluation transform (open_clip's image_transform with resize_longest_max, i.e. ResizeMaxSize): the
+    uint8 image's LONGEST side resized to the model's size with PIL bicubic (the other side round()ed), then padded
+    with black to a square, the extra column / row going right and bottom; no crop, no clamp; /255 and normalised
+    with the processor's mean and std. One deviation: open_clip neither resizes nor pads an image whose longest side
+    already has the size, so a non-square one would not reach the model's square input; it is padded here."""
+    from PIL import Image
+
+    size = image_processor.crop_size["height"]
+    pixels = []
+    for image in to_pil(images):
+        w, h = image.size
+        if max(w, h) != size:
+            new_h, new_w = round(h * size / max(h, w)), round(w * size / max(h, w))
+            image = image.resize((new_w, new_h), Image.BICUBIC)
+        canvas = Image.new("RGB", (size, size))
+        canvas.paste(image, ((size - image.size[0]) // 2, (size - image.size[1]) // 2))
+        pixels.append(torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1).float() / 255)
+    mean = torch.tensor(image_processor.image_mean).view(1, 3, 1, 1)
+    std = torch.tensor(image_processor.image_std).view(1, 3, 1, 1)
+    return (torch.stack(pixels) - mean) / std
 
 
 def resolve_file(spec: str) -> str:
@@ -171,15 +181,17 @@ def jpeg_incompressibility(*, device: str = "cpu", quality: int = 95) -> Reward:
 class ClipScorer:
     """scale * cos(image, text) with a transformers CLIPModel; scale = exp(logit_scale) or 1."""
 
-    def __init__(self, model: nn.Module, processor: Any, *, use_logit_scale: bool, device: str, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, processor: Any, *, use_logit_scale: bool, device: str, dtype: torch.dtype,
+                 preprocess: Callable = processor_preprocess):
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.processor, self.use_logit_scale, self.device, self.dtype = processor, use_logit_scale, device, dtype
+        self.preprocess = preprocess  # (images, image_processor) -> normalised pixels
         self.max_length = model.config.text_config.max_position_embeddings
 
     @torch.no_grad()
     def embed_images(self, images: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) in [0, 1] -> unit-norm projected embeddings (B, D), float32."""
-        pixels = clip_preprocess(images.to(self.device), self.processor.image_processor).to(self.dtype)
+        pixels = self.preprocess(images, self.processor.image_processor).to(self.device, self.dtype)
         pooled = self.model.vision_model(pixel_values=pixels).pooler_output
         return F.normalize(self.model.visual_projection(pooled).float(), dim=-1)
 
@@ -218,15 +230,15 @@ def hpsv21(*, device: str = "cpu", dtype: str | torch.dtype = "float32",
            checkpoint: str = "xswu/HPSv2:HPS_v2.1_compressed.pt",
            processor: str = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", vision_heads: int = 16, text_heads: int = 16) -> Reward:
     """HPSv2.1: cos(image, text) of the HPS_v2.1 open_clip ViT-H-14, run as a transformers CLIPModel
-    (no open_clip / torchvision needed). The processor supplies the CLIP BPE tokenizer and HPSv2's
-    preprocessing (224 px bicubic, centre crop, OpenAI CLIP mean/std)."""
+    (no open_clip / torchvision needed). Images get HPSv2's own transform (resize_longest_and_pad: longest side
+    to 224, black padding, no crop); the processor supplies the CLIP BPE tokenizer, the size and mean / std."""
     from transformers import AutoProcessor
 
     proc = AutoProcessor.from_pretrained(processor)
     state = torch.load(resolve_file(checkpoint), map_location="cpu", weights_only=True)
     model = openclip_to_transformers(state.get("state_dict", state), vision_heads=vision_heads, text_heads=text_heads,
                                      bos_token_id=proc.tokenizer.bos_token_id, eos_token_id=proc.tokenizer.eos_token_id)
-    return ClipScorer(model, proc, use_logit_scale=False, device=device, dtype=_dtype(dtype))
+    return ClipScorer(model, proc, use_logit_scale=False, device=device, dtype=_dtype(dtype), preprocess=resize_longest_and_pad)
 
 
 _BLOCK = re.compile(r"^(visual\.)?transformer\.resblocks\.(\d+)\.(.+)$")

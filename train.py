@@ -33,6 +33,7 @@ import resource
 import shutil
 import signal
 import sys
+import textwrap
 import time
 import types
 import typing
@@ -897,16 +898,27 @@ class Tracker:
             self.backend.log(scalars, step=iteration)
 
 
-def save_grid(images: torch.Tensor, path: Path) -> None:
-    """(B, 3, H, W) in [0, 1] -> one PNG, rows of up to 8."""
-    from PIL import Image
+def save_samples(images: torch.Tensor, captions: list[str], records: list[dict], path: Path) -> None:
+    """The evaluation samples a person can read: one PNG grid (rows of up to 8) with each image's caption (prompt and
+    rewards) under it, cells at least 128 px wide (tiny images are enlarged, nearest), and a JSON file beside it
+    with the prompts, noise indices and rewards of every sample."""
+    from PIL import Image, ImageDraw
 
-    n, cols = images.shape[0], min(8, images.shape[0])
-    rows = math.ceil(n / cols)
-    pad = torch.zeros(rows * cols - n, *images.shape[1:], device=images.device)
-    grid = torch.cat([images, pad]).view(rows, cols, *images.shape[1:]).permute(0, 3, 1, 4, 2).flatten(2, 3).flatten(0, 1)
+    cell = max(128, images.shape[-1])
+    pictures = [p.resize((cell, round(cell * p.height / p.width)), Image.NEAREST) for p in rewards.to_pil(images)]
+    lines = [textwrap.wrap(c, width=cell // 6)[:4] for c in captions]  # the default bitmap font is ~6 px per char
+    text_h = 11 * max(len(w) for w in lines) + 4
+    cols = min(8, len(pictures))
+    rows = math.ceil(len(pictures) / cols)
+    grid = Image.new("RGB", (cols * cell, rows * (pictures[0].height + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (picture, wrapped) in enumerate(zip(pictures, lines)):
+        x, y = (i % cols) * cell, (i // cols) * (picture.height + text_h)
+        grid.paste(picture, (x, y))
+        draw.multiline_text((x + 2, y + picture.height + 2), "\n".join(wrapped), fill="black", spacing=1)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(rewards.to_uint8(grid.permute(2, 0, 1)[None])[0]).save(path)
+    grid.save(path)
+    path.with_suffix(".json").write_text(json.dumps(records, indent=1))
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -1129,8 +1141,12 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
             dist.all_reduce(v)
     means = {f"eval/{n}_mean": (v[0] / v[1]).item() for n, v in totals.items()}
     means["eval/reward_mean"] = sum(w * means[f"eval/{n}_mean"] for n, w in weights.items())
-    if grid_path is not None:
-        save_grid(model.decode(x0), grid_path)
+    if grid_path is not None:  # rank 0's share of the evaluation prompts
+        records = [{"prompt": p.text, "seed": cfg.seed, "noise_index": i,
+                    "rewards": {n: s[j].item() for n, s in scores.items()}}
+                   for j, (p, i) in enumerate(zip(chosen, indices)) if real[j]]
+        captions = [f"{r['prompt']} | " + " ".join(f"{n} {v:.3f}" for n, v in r["rewards"].items()) for r in records]
+        save_samples(model.decode(x0[:len(records)]), captions, records, grid_path)
     return means
 
 
