@@ -38,6 +38,7 @@ HTTP protocol (the `http`, `ocr`, `geneval` and `unifiedreward` clients; `python
 import argparse
 import base64
 import contextlib
+import html
 import http.client
 import inspect
 import io
@@ -48,6 +49,7 @@ import re
 import socket
 import threading
 import time
+import unicodedata
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Sequence
@@ -102,6 +104,31 @@ def resize_longest_and_pad(images: torch.Tensor, image_processor: Any) -> torch.
     mean = torch.tensor(image_processor.image_mean).view(1, 3, 1, 1)
     std = torch.tensor(image_processor.image_std).view(1, 3, 1, 1)
     return (torch.stack(pixels) - mean) / std
+
+
+# open_clip's tokenizer cleans text before BPE (basic_clean: ftfy.fix_text, html.unescape twice, strip; then
+# whitespace collapsed and lower-cased); transformers' CLIP tokenizer only normalises NFC, whitespace and case. ftfy is
+# not a dependency here, so the steps of ftfy.fix_text's default configuration that change prompts are written out
+# (its mojibake repair, fix_encoding, is not: prompts with mis-decoded UTF-8 may still tokenise differently).
+_QUOTES = str.maketrans({**dict.fromkeys("\u02bc\u2018\u2019\u201a\u201b", "'"),
+                         **dict.fromkeys("\u201c\u201d\u201e\u201f", '"')})  # ftfy.uncurl_quotes
+_LIGATURES = str.maketrans({"\ufb00": "ff", "\ufb01": "fi", "\ufb02": "fl", "\ufb03": "ffi", "\ufb04": "ffl",
+                            "\ufb05": "\u017ft", "\ufb06": "st", "\u0132": "IJ", "\u0133": "ij", "\u0149": "\u02bcn",
+                            "\u01f1": "DZ", "\u01f2": "Dz", "\u01f3": "dz", "\u01c4": "D\u017d", "\u01c5": "D\u017e",
+                            "\u01c6": "d\u017e", "\u01c7": "LJ", "\u01c8": "Lj", "\u01c9": "lj", "\u01ca": "NJ",
+                            "\u01cb": "Nj", "\u01cc": "nj"})  # ftfy.fix_latin_ligatures
+_WIDTH = str.maketrans({**{i: unicodedata.normalize("NFKC", chr(i)) for i in range(0xFF01, 0xFFF0)
+                           if len(unicodedata.normalize("NFKC", chr(i))) == 1}, 0x3000: " "})  # ftfy.fix_character_width
+
+
+def openclip_clean(text: str) -> str:
+    """The text open_clip's tokenizer encodes: ftfy's html unescaping (skipped when the text has '<'), ligatures,
+    character widths, curly quotes and NFC, then open_clip's own html.unescape twice and whitespace collapse."""
+    if "<" not in text:
+        text = html.unescape(text)
+    text = unicodedata.normalize("NFC", text.translate(_LIGATURES).translate(_WIDTH).translate(_QUOTES))
+    text = html.unescape(html.unescape(text)).strip()
+    return re.sub(r"\s+", " ", text).strip()
 
 
 def resolve_file(spec: str) -> str:
@@ -182,10 +209,11 @@ class ClipScorer:
     """scale * cos(image, text) with a transformers CLIPModel; scale = exp(logit_scale) or 1."""
 
     def __init__(self, model: nn.Module, processor: Any, *, use_logit_scale: bool, device: str, dtype: torch.dtype,
-                 preprocess: Callable = processor_preprocess):
+                 preprocess: Callable = processor_preprocess, clean: Callable[[str], str] = str):
         self.model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         self.processor, self.use_logit_scale, self.device, self.dtype = processor, use_logit_scale, device, dtype
         self.preprocess = preprocess  # (images, image_processor) -> normalised pixels
+        self.clean = clean  # text -> the text the original model's tokenizer would encode
         self.max_length = model.config.text_config.max_position_embeddings
 
     @torch.no_grad()
@@ -197,7 +225,7 @@ class ClipScorer:
 
     @torch.no_grad()
     def embed_texts(self, prompts: Sequence[str]) -> torch.Tensor:
-        tokens = self.processor.tokenizer(list(prompts), padding=True, truncation=True, max_length=self.max_length,
+        tokens = self.processor.tokenizer([self.clean(p) for p in prompts], padding=True, truncation=True, max_length=self.max_length,
                                           return_tensors="pt").to(self.device)
         pooled = self.model.text_model(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask).pooler_output
         return F.normalize(self.model.text_projection(pooled).float(), dim=-1)
@@ -238,7 +266,8 @@ def hpsv21(*, device: str = "cpu", dtype: str | torch.dtype = "float32",
     state = torch.load(resolve_file(checkpoint), map_location="cpu", weights_only=True)
     model = openclip_to_transformers(state.get("state_dict", state), vision_heads=vision_heads, text_heads=text_heads,
                                      bos_token_id=proc.tokenizer.bos_token_id, eos_token_id=proc.tokenizer.eos_token_id)
-    return ClipScorer(model, proc, use_logit_scale=False, device=device, dtype=_dtype(dtype), preprocess=resize_longest_and_pad)
+    return ClipScorer(model, proc, use_logit_scale=False, device=device, dtype=_dtype(dtype), preprocess=resize_longest_and_pad,
+                      clean=openclip_clean)
 
 
 _BLOCK = re.compile(r"^(visual\.)?transformer\.resblocks\.(\d+)\.(.+)$")

@@ -742,6 +742,32 @@ def test_hpsv21_open_clip_weights_convert_exactly(tiny_clip_dir, tmp_path):
     torch.testing.assert_close(reward(images, PROMPTS4), (image_ref * text_ref).sum(-1), rtol=1e-4, atol=1e-5)
 
 
+# What open_clip's tokenizer encodes (ftfy.fix_text's documented fixes, then html.unescape twice, whitespace collapse),
+# written out per probe: the prompts real sets are full of.
+OPENCLIP_CLEANED = {
+    "It\u2019s a \u201ccat\u201d &amp; a dog": "It's a \"cat\" & a dog",  # curly quotes, an HTML entity
+    "\ufb01ne \ufb02owers": "fine flowers",  # Latin ligatures
+    "\uff21\uff22\uff23\u3000\uff44\uff4f\uff47\uff01": "ABC dog!",  # fullwidth letters, ideographic space
+    "&amp;amp;amp; &lt;b&gt;": "& <b>",  # unescaped three times: ftfy once (no '<' yet), open_clip twice
+    "a <b> &amp;amp;amp; c": "a <b> &amp; c",  # ftfy leaves text with '<' alone; open_clip's two passes apply
+    "  two \t  spaces\n": "two spaces",
+}
+
+
+def test_hpsv21_tokenises_the_text_open_clip_tokenises(tiny_clip_dir, tmp_path):
+    """Before: 4 of 23 probes got other token ids than open_clip's (score differences up to 0.034 on random weights)."""
+    for raw, cleaned in OPENCLIP_CLEANED.items():
+        assert rewards.openclip_clean(raw) == cleaned, raw
+    torch.save(openclip_state_dict(), tmp_path / "hps.pt")
+    reward = rewards.load_reward("hpsv21", checkpoint=str(tmp_path / "hps.pt"), processor=tiny_clip_dir,
+                                 vision_heads=4, text_heads=4)
+    raw, cleaned = list(OPENCLIP_CLEANED), list(OPENCLIP_CLEANED.values())
+    plain = rewards.ClipScorer(reward.model, reward.processor, use_logit_scale=False, device="cpu", dtype=torch.float32)
+    torch.testing.assert_close(reward.embed_texts(raw), plain.embed_texts(cleaned), rtol=0, atol=0)
+    tokenizer = reward.processor.tokenizer
+    assert tokenizer(raw[0]).input_ids != tokenizer(cleaned[0]).input_ids  # what the plain tokenizer path got wrong
+
+
 def test_hpsv21_conversion_rejects_a_checkpoint_of_another_architecture():
     sd = openclip_state_dict()
     sd["visual.attnpool.weight"] = torch.zeros(3)
