@@ -8,6 +8,7 @@ Easier than You Think" (arXiv 2604.23380); every equation lives in vgrpo.py, thi
     torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic.txt   # paper: SD3.5-M stage 1
     torchrun --nproc_per_node=8 train.py --preset flux --prompts hpdv2.txt       # paper: FLUX.1-dev
     torchrun --nproc_per_node=8 train.py --resume runs/NAME                     # continue from the last checkpoint
+    python train.py --preset flux --plan --plan_world_size 8 --plan_gpu_gb 80  # memory per GPU, before loading anything
     python train.py --help                            # every option, with its default
 
 Data parallelism: the num_prompts groups of an iteration are split over the ranks as WHOLE groups, so
