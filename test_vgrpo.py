@@ -1789,6 +1789,16 @@ def test_cli_error_is_one_line_on_stderr_without_traceback():
     assert proc.returncode == 1 and lines == [lines[0]] and lines[0].startswith("error: --rewards: unknown reward")
 
 
+def test_help_lists_every_flag(capsys):
+    """--help prints (a '%' in a help text once made argparse raise TypeError instead)."""
+    from dataclasses import fields
+
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_config(["--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and all(f"--{f.name}" in out for f in fields(train.Config))
+
+
 def test_config_layers_preset_then_flags_and_every_field_is_documented():
     cfg = train.parse_config(["--preset", "sd35m", "--prompts", "p.txt", "--group_size", "12", "--no-stratified",
                               "--clip_eps", "0.01", "--soft_clip_eta", "none"])

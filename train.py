@@ -159,7 +159,8 @@ def parse_config(argv: list[str] | None = None) -> Config:
     hints = typing.get_type_hints(Config)
     for f in fields(Config):
         kind = hints[f.name]
-        common = dict(default=argparse.SUPPRESS, help=f"{f.metadata['help']} (default: {f.default})")
+        help_text = f"{f.metadata['help']} (default: {f.default})".replace("%", "%%")  # argparse %-formats help
+        common = dict(default=argparse.SUPPRESS, help=help_text)
         if kind is bool:
             parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction, **common)
         elif isinstance(kind, types.UnionType):  # float | None: the word "none" turns it off
