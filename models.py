@@ -129,7 +129,8 @@ class SD3(FlowAdapter):
         return {"mu": self.mu()} if self.pipe.scheduler.config.get("use_dynamic_shifting") else {}
 
     def text_tokens(self) -> int:
-        return 77 + self.max_sequence_length  # CLIP-L/G's 77 positions, then T5's
+        # CLIP-L/G padded to the tokenizer's length (77 for the real ones; the plan has no tokenizer), then T5's
+        return getattr(getattr(self.pipe, "tokenizer", None), "model_max_length", 77) + self.max_sequence_length
 
     @staticmethod
     def reduced_depth(config) -> dict:

@@ -1618,6 +1618,14 @@ def test_plan_cli_says_whether_it_fits_from_a_config_only_directory(real_dirs, t
     assert plan(*tight, *shlex.split(advice.group(1)))[0] == 0  # the advice is a configuration that fits
 
 
+@pytest.mark.parametrize("family", ["sd3", "flux"])
+def test_cond_like_is_shaped_like_encode(family):
+    """The plan runs the transformer on cond_like(); it must be what encode() gives the transformer in training."""
+    model = adapter_for(models.tiny_pipeline(family), family)
+    real = model.encode(["a red car", "a blue flower"])
+    assert {k: v.shape for k, v in model.cond_like(2).items()} == {k: v.shape for k, v in real.items()}
+
+
 def test_gpu_launch_refuses_a_plan_that_does_not_fit_before_loading(monkeypatch):
     monkeypatch.setattr(train, "load_pipeline", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = train.Config(micro_batch_size=4)
