@@ -19,11 +19,11 @@ models in eval mode on the device they were built for; the result is on images.d
 |                        | paper reports 2.5 * max(cos, 0))                    |                    |
 | hpsv21                 | cos(image, text), HPSv2.1 (open_clip ViT-H-14)      | about 0.20 .. 0.40 |
 | aesthetic              | LAION improved aesthetic predictor on CLIP L/14     | 1 .. 10            |
-| imagereward            | ImageReward v1.0 (optional package image-reward)    | about -2.5 .. 2.5  |
+| imagereward            | ImageReward v1.0 (BLIP + MLP, in transformers)      | about -2.5 .. 2.5  |
 | ocr, geneval,          | HTTP client of a local server (protocol below)      | server-defined     |
 | unifiedreward, http    |                                                     |                    |
 
-Model weights come from a hub id or a local directory via from_pretrained; the two checkpoints
+Model weights come from a hub id or a local directory via from_pretrained; the three checkpoints
 that exist only as .pt/.pth files are read with torch.load(weights_only=True); nothing uses
 trust_remote_code. Heavy imports happen inside the factories.
 
@@ -351,8 +351,9 @@ def openclip_to_transformers(state: dict[str, torch.Tensor], *, vision_heads: in
     return model
 
 
-class AestheticHead(nn.Module):
-    """The LAION improved aesthetic predictor head (a linear MLP; key names as in its .pth)."""
+class MLPHead(nn.Module):
+    """The linear MLP head of the LAION improved aesthetic predictor and of ImageReward (same layers, same key
+    names as in their checkpoints; no activations, as published)."""
 
     def __init__(self, dim: int = 768):
         super().__init__()
@@ -370,7 +371,7 @@ def aesthetic(*, device: str = "cpu", dtype: str | torch.dtype = "float32", clip
 
     scorer = ClipScorer(CLIPModel.from_pretrained(clip), AutoProcessor.from_pretrained(clip),
                         use_logit_scale=False, device=device, dtype=_dtype(dtype))
-    mlp = AestheticHead(scorer.model.config.projection_dim)
+    mlp = MLPHead(scorer.model.config.projection_dim)
     path = resolve_file(head)
     if path.endswith(".safetensors"):
         from safetensors.torch import load_file
@@ -387,20 +388,156 @@ def aesthetic(*, device: str = "cpu", dtype: str | torch.dtype = "float32", clip
     return reward
 
 
-def imagereward(*, device: str = "cpu", model: str = "ImageReward-v1.0") -> Reward:
-    """ImageReward (BLIP-based), from the optional package image-reward."""
-    try:
-        import ImageReward as RM
-    except ImportError as error:
-        raise ImportError("the imagereward reward needs the optional package image-reward: "
-                          "pip install image-reward (it brings torchvision and timm; install it next to a "
-                          "CUDA torch, or serve it from another environment with `python rewards.py serve`)") from error
-    rm = RM.load(model, device=device).eval()
+# ImageReward v1.0 (THUDM/ImageReward: ImageReward.py, models/BLIP/{blip,blip_pretrain,vit,med}.py) run in transformers'
+# BLIP classes, so that neither its package nor torchvision / timm is needed. Its score of (prompt, image):
+#   ids   = BertTokenizer('bert-base-uncased' + [DEC], [ENC]) of the prompt, padded / truncated to 35 tokens
+#   image = Resize(224, bicubic) of the shorter side, CenterCrop(224), ToTensor, Normalize(CLIP mean, std)
+#   h     = BLIP BERT(ids, cross-attending to every token of the ViT-L/16 output)[:, 0]   ([CLS] feature)
+#   score = (MLP(h) - 0.16717362830052426) / 1.0333394966054072
+IMAGEREWARD_MEAN, IMAGEREWARD_STD = 0.16717362830052426, 1.0333394966054072
+IMAGEREWARD_MAX_TOKENS = 35
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def resize_shorter_and_center_crop(images: torch.Tensor, size: int, mean: Sequence[float] = CLIP_MEAN,
+                                   std: Sequence[float] = CLIP_STD) -> torch.Tensor:
+    """torchvision's Resize(size, BICUBIC) + CenterCrop(size) + ToTensor + Normalize on the uint8 PIL image, as
+    ImageReward's _transform: the SHORTER side to `size` (the longer one int()-truncated; no resize when the shorter side
+    already has the size), PIL bicubic, then a crop at offsets round((dim - size) / 2) (Python's round, half to even).
+    (B, 3, H, W) in [0, 1] -> (B, 3, size, size) normalised. (CLIP processors crop at (dim - size) // 2 instead.)"""
+    from PIL import Image
+
+    pixels = []
+    for image in to_pil(images):
+        w, h = image.size
+        short, long = (w, h) if w <= h else (h, w)
+        if short != size:
+            new_long = int(size * long / short)  # torchvision's _compute_resized_output_size, to the float
+            image = image.resize((size, new_long) if w <= h else (new_long, size), Image.BICUBIC)
+        w, h = image.size
+        left, top = int(round((w - size) / 2.0)), int(round((h - size) / 2.0))
+        image = image.crop((left, top, left + size, top + size))
+        pixels.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255)
+    return (torch.stack(pixels) - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+
+
+class ImageRewardModel(nn.Module):
+    """ImageReward's scoring path in transformers modules: BLIP's ViT (BlipVisionModel), its BERT with
+    cross-attention (BlipTextModel, no pooler) and the MLP head; returns the normalised score (B,), float32."""
+
+    def __init__(self, vision_config: Any, text_config: Any):
+        super().__init__()
+        from transformers import BlipTextModel, BlipVisionModel
+
+        self.vision_model = BlipVisionModel(vision_config)
+        self.text_encoder = BlipTextModel(text_config, add_pooling_layer=False)
+        self.mlp = MLPHead(text_config.hidden_size)
+
+    def forward(self, pixels: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        image = self.vision_model(pixel_values=pixels).last_hidden_state  # (B, 1 + patches, vision width)
+        text = self.text_encoder(input_ids=input_ids, attention_mask=attention_mask, encoder_hidden_states=image,
+                                 encoder_attention_mask=torch.ones(image.shape[:2], dtype=torch.long, device=image.device))
+        head_dtype = self.mlp.layers[0].weight.dtype
+        return (self.mlp(text.last_hidden_state[:, 0].to(head_dtype)).float() - IMAGEREWARD_MEAN) / IMAGEREWARD_STD
+
+
+_VIT_BLOCK = re.compile(r"^blocks\.(\d+)\.(norm1|norm2|attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.(weight|bias)$")
+_VIT_PARTS = {"norm1": "layer_norm1", "norm2": "layer_norm2", "attn.qkv": "self_attn.qkv", "attn.proj": "self_attn.projection",
+              "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2"}
+_VIT_NAMES = {"cls_token": "embeddings.class_embedding", "pos_embed": "embeddings.position_embedding",
+              "patch_embed.proj.weight": "embeddings.patch_embedding.weight",
+              "patch_embed.proj.bias": "embeddings.patch_embedding.bias",
+              "norm.weight": "post_layernorm.weight", "norm.bias": "post_layernorm.bias"}
+# In the checkpoint but not on the scoring path: BLIP's contrastive projections (ImageReward.score never calls them)
+# and the BERT position-id buffer (transformers rebuilds it).
+_IMAGEREWARD_UNUSED = re.compile(r"^blip\.(vision_proj|text_proj)\.(weight|bias)$|^blip\.text_encoder\.embeddings\.position_ids$")
+
+
+def convert_imagereward_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ImageReward.pt key names -> ImageRewardModel key names. The BERT keys are the same in BLIP's med.py and
+    transformers' BlipTextModel; the ViT ones are renamed; unknown keys are kept so that loading reports them."""
+    out = {}
+    for key, value in state.items():
+        key = key.removeprefix("module.")
+        if _IMAGEREWARD_UNUSED.match(key):
+            continue
+        if key.startswith("blip.visual_encoder."):
+            name = key.removeprefix("blip.visual_encoder.")
+            block = _VIT_BLOCK.match(name)
+            if block:
+                name = f"encoder.layers.{block.group(1)}.{_VIT_PARTS[block.group(2)]}.{block.group(3)}"
+            out["vision_model." + _VIT_NAMES.get(name, name)] = value
+        elif key.startswith("blip.text_encoder."):
+            out[key.removeprefix("blip.")] = value
+        else:
+            out[key] = value  # mlp.layers.* as they are
+    return out
+
+
+def imagereward_from_state_dict(state: dict[str, torch.Tensor], *, vision_heads: int = 16,
+                                text_heads: int = 12) -> ImageRewardModel:
+    """Build an ImageRewardModel from an ImageReward checkpoint; sizes are read off the weights, head counts (not
+    visible in the shapes) are arguments. Fails on any missing or unexpected key."""
+    from transformers import BlipTextConfig, BlipVisionConfig
+
+    sd = convert_imagereward_state_dict(state)
+    required = ("vision_model.embeddings.patch_embedding.weight", "vision_model.embeddings.position_embedding",
+                "text_encoder.embeddings.word_embeddings.weight", "text_encoder.embeddings.position_embeddings.weight")
+    if any(k not in sd for k in required):
+        raise ValueError(f"not an ImageReward checkpoint: it lacks {[k for k in required if k not in sd]} "
+                         f"(after conversion); its keys start {sorted(state)[:5]}")
+
+    def layers(prefix: str) -> int:
+        return 1 + max(int(k.removeprefix(prefix).split(".")[0]) for k in sd if k.startswith(prefix))
+
+    patch = sd["vision_model.embeddings.patch_embedding.weight"]
+    grid = math.isqrt(sd["vision_model.embeddings.position_embedding"].shape[1] - 1)
+    words, positions = sd["text_encoder.embeddings.word_embeddings.weight"], sd["text_encoder.embeddings.position_embeddings.weight"]
+    vision = BlipVisionConfig(hidden_size=patch.shape[0], patch_size=patch.shape[-1], image_size=grid * patch.shape[-1],
+                              intermediate_size=sd["vision_model.encoder.layers.0.mlp.fc1.weight"].shape[0],
+                              num_hidden_layers=layers("vision_model.encoder.layers."), num_attention_heads=vision_heads,
+                              hidden_act="gelu", layer_norm_eps=1e-6)  # vit.py: nn.LayerNorm(eps=1e-6), nn.GELU()
+    text = BlipTextConfig(vocab_size=words.shape[0], hidden_size=words.shape[1], max_position_embeddings=positions.shape[0],
+                          intermediate_size=sd["text_encoder.encoder.layer.0.intermediate.dense.weight"].shape[0],
+                          num_hidden_layers=layers("text_encoder.encoder.layer."), num_attention_heads=text_heads,
+                          encoder_hidden_size=patch.shape[0], hidden_act="gelu", layer_norm_eps=1e-12,
+                          is_decoder=True)  # is_decoder builds the cross-attention; forward runs bidirectional
+    model = ImageRewardModel(vision, text)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match ImageReward's architecture: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+def imagereward_tokenizer(name: str) -> Any:
+    """BLIP's init_tokenizer: BERT's uncased WordPiece plus [DEC] (bos) and [ENC] (vocabulary 30524, as the checkpoint)."""
+    from transformers import BertTokenizer
+
+    tokenizer = BertTokenizer.from_pretrained(name)
+    tokenizer.add_special_tokens({"bos_token": "[DEC]"})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[ENC]"]})
+    return tokenizer
+
+
+def imagereward(*, device: str = "cpu", dtype: str | torch.dtype = "float32",
+                checkpoint: str = "THUDM/ImageReward:ImageReward.pt", tokenizer: str = "bert-base-uncased",
+                vision_heads: int = 16, text_heads: int = 12) -> Reward:
+    """ImageReward v1.0 (about -2.5 .. 2.5): the official checkpoint read with weights_only=True into transformers'
+    BLIP classes; the image-reward package (and its torchvision / timm) is not needed. The MLP head stays float32."""
+    state = torch.load(resolve_file(checkpoint), map_location="cpu", weights_only=True)
+    model = imagereward_from_state_dict(state.get("state_dict", state), vision_heads=vision_heads, text_heads=text_heads)
+    model = model.to(device).requires_grad_(False)
+    for tower in (model.vision_model, model.text_encoder):  # the head stays float32, as ImageReward runs it (.float())
+        tower.to(_dtype(dtype))
+    tok = imagereward_tokenizer(tokenizer)
+    size = model.vision_model.config.image_size
 
     @torch.no_grad()
     def reward(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
-        scores = [float(rm.score(p, image)) for p, image in zip(prompts, to_pil(images))]
-        return torch.tensor(scores, dtype=torch.float32, device=images.device)
+        ids = tok(list(prompts), padding="max_length", truncation=True, max_length=IMAGEREWARD_MAX_TOKENS,
+                  return_tensors="pt").to(device)
+        pixels = resize_shorter_and_center_crop(images, size).to(device, _dtype(dtype))
+        return model(pixels, ids.input_ids, ids.attention_mask).to(images.device)
 
     return reward
 
@@ -653,7 +790,7 @@ def reward_model_bytes(name: str, dtype: str = "float32") -> int:
     """Parameter bytes of a reward's model, from its architecture on the meta device (for the memory plan; no
     download): CLIP ViT-H/14 for pickscore and hpsv21, ViT-L/14 for clipscore and aesthetic, BLIP (ViT-L + BERT
     with cross-attention, ImageReward's) for imagereward; 0 for rewards without a model or served over HTTP."""
-    from transformers import BlipConfig, BlipForImageTextRetrieval, CLIPConfig, CLIPModel
+    from transformers import BlipTextConfig, BlipVisionConfig, CLIPConfig, CLIPModel
 
     clip = {"h14": (dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
                     dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16), 1024),
@@ -662,11 +799,11 @@ def reward_model_bytes(name: str, dtype: str = "float32") -> int:
     kind = {"pickscore": "h14", "hpsv21": "h14", "clipscore": "l14", "aesthetic": "l14", "imagereward": "blip"}.get(name)
     with torch.device("meta"):
         if kind == "blip":
-            model = BlipForImageTextRetrieval(BlipConfig(
-                vision_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                                   image_size=224, patch_size=16),
-                text_config=dict(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
-                                 num_attention_heads=12, encoder_hidden_size=1024)))
+            model = ImageRewardModel(  # ViT-L/16 at 224 px, BERT-base with cross-attention (med_config.json)
+                BlipVisionConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                                 image_size=224, patch_size=16),
+                BlipTextConfig(vocab_size=30524, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                               num_attention_heads=12, encoder_hidden_size=1024, is_decoder=True))
         elif kind:
             text, vision, projection = clip[kind]
             model = CLIPModel(CLIPConfig(text_config={**text, "vocab_size": 49408, "max_position_embeddings": 77},

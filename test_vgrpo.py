@@ -659,7 +659,7 @@ def test_hpsv21_preprocessing_is_hpsv2s_resize_longest_and_pad(h, w):
 
 def test_aesthetic_reward_is_the_mlp_on_the_normalised_image_embedding(tiny_clip_dir, tmp_path):
     torch.manual_seed(1)
-    head = rewards.AestheticHead(24)
+    head = rewards.MLPHead(24)
     torch.save(head.state_dict(), tmp_path / "head.pth")
     reward = rewards.load_reward("aesthetic", clip=tiny_clip_dir, head=str(tmp_path / "head.pth"))
     images = smooth_images(3, h=32, w=32)
@@ -775,12 +775,164 @@ def test_hpsv21_conversion_rejects_a_checkpoint_of_another_architecture():
         rewards.openclip_to_transformers(sd, vision_heads=4, text_heads=4)
 
 
-def test_imagereward_without_its_package_says_how_to_install_it():
-    pytest.importorskip("torch")
-    if __import__("importlib").util.find_spec("ImageReward") is not None:
-        pytest.skip("image-reward is installed here")
-    with pytest.raises(ImportError, match="pip install image-reward"):
-        rewards.load_reward("imagereward")
+def imagereward_state_dict(*, width_v=32, width_t=24, layers=2, patch=8, grid=4, vocab=40, positions=40, seed=0):
+    """Random weights in ImageReward.pt's exact key layout (ImageReward.py's ImageReward: blip = BLIP_Pretrain with
+    vit.py's VisionTransformer, med.py's BertModel without pooler, vision_proj / text_proj; mlp = MLP), toy sizes."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: 0.2 * torch.randn(*shape, generator=g)  # noqa: E731
+    v, t = "blip.visual_encoder.", "blip.text_encoder."
+    sd = {v + "cls_token": r(1, 1, width_v), v + "pos_embed": r(1, grid * grid + 1, width_v),
+          v + "patch_embed.proj.weight": r(width_v, 3, patch, patch), v + "patch_embed.proj.bias": r(width_v),
+          t + "embeddings.word_embeddings.weight": r(vocab, width_t),
+          t + "embeddings.position_embeddings.weight": r(positions, width_t),
+          t + "embeddings.position_ids": torch.arange(positions).unsqueeze(0),  # a persistent buffer in med.py
+          "blip.vision_proj.weight": r(16, width_v), "blip.vision_proj.bias": r(16),
+          "blip.text_proj.weight": r(16, width_t), "blip.text_proj.bias": r(16)}
+
+    def linear(name, n_out, n_in):
+        sd[name + ".weight"], sd[name + ".bias"] = r(n_out, n_in), r(n_out)
+
+    def norm(name, n):
+        sd[name + ".weight"], sd[name + ".bias"] = 1 + r(n), r(n)
+
+    norm(v + "norm", width_v)
+    norm(t + "embeddings.LayerNorm", width_t)
+    for i in range(layers):
+        b = f"{v}blocks.{i}."
+        norm(b + "norm1", width_v), norm(b + "norm2", width_v)
+        linear(b + "attn.qkv", 3 * width_v, width_v), linear(b + "attn.proj", width_v, width_v)
+        linear(b + "mlp.fc1", 4 * width_v, width_v), linear(b + "mlp.fc2", width_v, 4 * width_v)
+        b = f"{t}encoder.layer.{i}."
+        for kind, kv_width in (("attention", width_t), ("crossattention", width_v)):
+            linear(b + kind + ".self.query", width_t, width_t)
+            linear(b + kind + ".self.key", width_t, kv_width), linear(b + kind + ".self.value", width_t, kv_width)
+            linear(b + kind + ".output.dense", width_t, width_t), norm(b + kind + ".output.LayerNorm", width_t)
+        linear(b + "intermediate.dense", 4 * width_t, width_t), linear(b + "output.dense", width_t, 4 * width_t)
+        norm(b + "output.LayerNorm", width_t)
+    for i, (n_in, n_out) in zip((0, 2, 4, 6, 7), ((width_t, 1024), (1024, 128), (128, 64), (64, 16), (16, 1))):
+        linear(f"mlp.layers.{i}", n_out, n_in)
+    return sd
+
+
+def imagereward_forward(sd, pixels, ids, mask, *, vision_heads, text_heads):
+    """ImageReward.score written out by hand from the published modules: vit.py (pre-LN blocks, fused qkv, LayerNorm
+    eps 1e-6, exact GELU, final norm over every token), med.py's BertModel in multimodal mode (post-LN, eps 1e-12, padding
+    masked with -10000, cross-attention to all image tokens after self-attention), the [CLS] feature, MLP, (r - mean) / std."""
+    v, t = "blip.visual_encoder.", "blip.text_encoder."
+
+    def ln(x, name, eps):
+        return F.layer_norm(x, x.shape[-1:], sd[name + ".weight"], sd[name + ".bias"], eps)
+
+    def lin(x, name):
+        return x @ sd[name + ".weight"].T + sd[name + ".bias"]
+
+    def attend(q, k, v_, heads, bias=0.0):
+        B, Lq, W = q.shape
+        q, k, v_ = (y.view(B, -1, heads, W // heads).transpose(1, 2) for y in (q, k, v_))
+        return ((q @ k.transpose(-1, -2) / math.sqrt(W // heads) + bias).softmax(-1) @ v_).transpose(1, 2).reshape(B, Lq, W)
+
+    patch = sd[v + "patch_embed.proj.weight"].shape[-1]
+    x = F.conv2d(pixels, sd[v + "patch_embed.proj.weight"], sd[v + "patch_embed.proj.bias"], stride=patch)
+    x = torch.cat([sd[v + "cls_token"].expand(len(pixels), -1, -1), x.flatten(2).transpose(1, 2)], 1)
+    x = x + sd[v + "pos_embed"][:, : x.shape[1]]
+    for i in range(sum(1 for k in sd if k.startswith(v) and k.endswith("attn.qkv.weight"))):
+        b = f"{v}blocks.{i}."
+        q, k, v_ = lin(ln(x, b + "norm1", 1e-6), b + "attn.qkv").chunk(3, -1)
+        x = x + lin(attend(q, k, v_, vision_heads), b + "attn.proj")
+        x = x + lin(F.gelu(lin(ln(x, b + "norm2", 1e-6), b + "mlp.fc1")), b + "mlp.fc2")
+    image = ln(x, v + "norm", 1e-6)
+    h = sd[t + "embeddings.word_embeddings.weight"][ids] + sd[t + "embeddings.position_embeddings.weight"][: ids.shape[1]]
+    h = ln(h, t + "embeddings.LayerNorm", 1e-12)
+    pad = (1.0 - mask[:, None, None, :].float()) * -10000.0
+    for i in range(sum(1 for k in sd if k.startswith(t) and k.endswith("crossattention.self.query.weight"))):
+        b = f"{t}encoder.layer.{i}."
+        for kind, source, bias in (("attention", None, pad), ("crossattention", image, 0.0)):
+            kv = h if source is None else source
+            a = attend(lin(h, b + kind + ".self.query"), lin(kv, b + kind + ".self.key"), lin(kv, b + kind + ".self.value"),
+                       text_heads, bias)
+            h = ln(lin(a, b + kind + ".output.dense") + h, b + kind + ".output.LayerNorm", 1e-12)
+        h = ln(lin(F.gelu(lin(h, b + "intermediate.dense")), b + "output.dense") + h, b + "output.LayerNorm", 1e-12)
+    r = h[:, 0]
+    for i in (0, 2, 4, 6, 7):  # dropout in between is the identity at eval time; no activations, as published
+        r = lin(r, f"mlp.layers.{i}")
+    return (r.squeeze(-1) - 0.16717362830052426) / 1.0333394966054072
+
+
+def imagereward_reference_pixels(images, size):
+    """ImageReward's _transform on a PIL image, from torchvision's published functional code: Resize(size) with an int
+    (shorter side -> size, longer -> int(size * long / short), nothing when the shorter side is already size, PIL bicubic),
+    CenterCrop(size) (top = int(round((h - size) / 2.0)), left likewise), ToTensor, Normalize(CLIP mean, std)."""
+    from PIL import Image
+
+    mean, std = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+    out = []
+    for a in (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy():
+        img = Image.fromarray(a)
+        w, h = img.size
+        short, long = (w, h) if w <= h else (h, w)
+        new_w, new_h = (size, int(size * long / short)) if w <= h else (int(size * long / short), size)
+        if (new_w, new_h) != (w, h):
+            img = img.resize((new_w, new_h), Image.BICUBIC)
+        x = np.asarray(img)
+        top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+        x = torch.from_numpy(x[top: top + size, left: left + size].copy()).permute(2, 0, 1).float() / 255
+        out.append((x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("h,w", [(40, 54), (54, 40), (45, 31), (32, 32), (32, 70), (300, 200)])
+def test_imagereward_preprocessing_is_its_torchvision_transform(h, w):
+    """(40, 54): the crop offset is round(5.5) = 6, where a CLIP processor's (dim - size) // 2 takes 5."""
+    images = smooth_images(3, h, w)
+    torch.testing.assert_close(rewards.resize_shorter_and_center_crop(images, 32), imagereward_reference_pixels(images, 32),
+                               rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def imagereward_files(tmp_path_factory):
+    """A toy ImageReward.pt in the official key layout and a BERT WordPiece tokenizer (built offline) saved beside it."""
+    from transformers import BertTokenizer
+
+    words = sorted({w for p in PROMPTS4 for w in p.split()} | {"##s", ".", ","})
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words)}
+    path = tmp_path_factory.mktemp("imagereward")
+    BertTokenizer(vocab=vocab).save_pretrained(path / "tokenizer")
+    sd = imagereward_state_dict(vocab=len(vocab) + 2)  # + [DEC] and [ENC], as BLIP's init_tokenizer adds them
+    torch.save(sd, path / "ImageReward.pt")
+    return sd, str(path / "ImageReward.pt"), str(path / "tokenizer")
+
+
+def test_imagereward_loads_the_official_checkpoint_layout_and_scores_as_the_published_forward(imagereward_files):
+    sd, checkpoint, tokenizer = imagereward_files
+    reward = rewards.load_reward("imagereward", checkpoint=checkpoint, tokenizer=tokenizer, vision_heads=4, text_heads=4)
+    prompts = PROMPTS4 + ["a red car, " * 20]  # the last one is truncated at 35 tokens
+    images = smooth_images(5, h=40, w=54)
+    scores = reward(images, prompts)
+    assert scores.shape == (5,) and scores.dtype == torch.float32
+    tok = rewards.imagereward_tokenizer(tokenizer)
+    expected = []
+    for image, prompt in zip(images, prompts):  # ImageReward.score: one (prompt, image) at a time
+        ids = tok(prompt, padding="max_length", truncation=True, max_length=35, return_tensors="pt")
+        pixels = imagereward_reference_pixels(image[None], 32)
+        expected.append(imagereward_forward(sd, pixels, ids.input_ids, ids.attention_mask, vision_heads=4, text_heads=4))
+    # float32 summation order between transformers' modules and the hand-written forward, through 4 layers: ~1e-6
+    torch.testing.assert_close(scores, torch.cat(expected), rtol=1e-4, atol=1e-5)
+    assert scores.std() > 0.05  # the scores differ between images: a constant would not pass for a match
+
+
+def test_imagereward_conversion_accepts_exactly_the_official_keys():
+    sd = imagereward_state_dict()
+    model = rewards.imagereward_from_state_dict(sd, vision_heads=4, text_heads=4)
+    converted = rewards.convert_imagereward_state_dict(sd)
+    assert set(model.state_dict()) == set(converted)  # nothing missing, nothing extra
+    assert len(sd) - len(converted) == 5  # vision_proj, text_proj (weight, bias) and the position-id buffer
+    with pytest.raises(ValueError, match="unexpected.*itm_head"):
+        rewards.imagereward_from_state_dict({**sd, "blip.itm_head.weight": torch.zeros(2, 24)}, vision_heads=4, text_heads=4)
+    with pytest.raises(ValueError, match="missing.*crossattention"):
+        rewards.imagereward_from_state_dict({k: v for k, v in sd.items() if "layer.1.crossattention.self.key.weight" not in k},
+                                            vision_heads=4, text_heads=4)
+    with pytest.raises(ValueError, match="not an ImageReward checkpoint"):
+        rewards.imagereward_from_state_dict(openclip_state_dict(), vision_heads=4, text_heads=4)
 
 
 def test_jpeg_rewards_are_the_encoded_size_and_rank_smooth_above_noise():
