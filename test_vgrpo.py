@@ -1167,7 +1167,7 @@ import shutil  # noqa: E402
 import signal  # noqa: E402
 
 SMALL_RUN = ["--iterations", "2", "--num_prompts", "2", "--group_size", "4", "--micro_batch_size", "4",
-             "--sampling_steps", "4", "--eval_every", "1", "--tiny_fit_steps", "0"]
+             "--sampling_steps", "4", "--eval_every", "1", "--eval_samples", "6", "--tiny_fit_steps", "0"]
 
 
 def run_train(*args, nproc=0, timeout=600):
@@ -1480,14 +1480,18 @@ def test_divergence_counts_consecutive_skipped_steps(monkeypatch):
 
 
 def test_default_run_from_the_readme_raises_the_reward(tmp_path):
-    """`python train.py`: the tiny SD3 model fitted to toy images learns to paint the colour its prompt names."""
+    """`python train.py`: the tiny SD3 model fitted to toy images learns to paint the colour its prompt names.
+    Another CPU's float rounding makes it another run, so the bounds come from the spread over RL seeds (4 seeds, one
+    fitted model, 128 evaluation samples): the eval gain (last 3 evaluations against the first) was 0.031-0.054 (mean
+    0.038, std 0.010), the training gain (last 10 iterations against the first 5) 0.017-0.043. With the former 8
+    evaluation samples one CPU's run ended at +0.019 after +0.040 at iteration 10: the eval noise of 8 samples."""
     proc = run_train("--run_dir", tmp_path)
     assert "iteration | reward_mean" in proc.stdout
     metrics = read_metrics(tmp_path)
     evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
-    assert evals[-1] > evals[0] + 0.04, evals
-    first, last = np.mean([m["reward_mean"] for m in metrics[:5]]), np.mean([m["reward_mean"] for m in metrics[-5:]])
-    assert last > first + 0.04, (first, last)
+    assert len(evals) == 5 and np.mean(evals[-3:]) > evals[0] + 0.015, evals  # 2.3 std below the mean gain
+    first, last = np.mean([m["reward_mean"] for m in metrics[:5]]), np.mean([m["reward_mean"] for m in metrics[-10:]])
+    assert last > first, (first, last)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1904,7 +1908,7 @@ BAD_NUMBERS = {
     "soft_clip_eta": 0, "clip_eps": -1, "kl_coef": -1, "num_grad_steps": 0, "iterations": 0, "lr": 1e30,
     "weight_decay": -0.1, "max_grad_norm": -1, "lora_rank": -1, "lora_alpha": 0, "micro_batch_size": 0,
     "rollout_batch_size": 0, "hsdp": -1, "max_skipped_steps": 0, "seed": -1, "log_every": 0, "eval_every": -1,
-    "save_every": 0, "plan_world_size": -1, "plan_gpu_gb": -1,
+    "save_every": 0, "plan_world_size": -1, "plan_gpu_gb": -1, "eval_samples": 0,
 }
 
 

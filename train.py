@@ -68,7 +68,9 @@ class Config:
     preset: str = arg("tiny", "tiny | sd35m | flux: paper settings applied before the other flags")
     model: str = arg("tiny", "diffusers pipeline dir or hub id (SD3/SD3.5 or FLUX.1); tiny | tiny-flux build a random tiny one")
     prompts: str = arg("", "training prompts: .txt (one per line) or .jsonl ({'prompt': ..., metadata}); tiny models have built-ins")
-    eval_prompts: str = arg("", "fixed evaluation prompts, same formats; default: the first 8 training prompts")
+    eval_prompts: str = arg("", "fixed evaluation prompts, same formats; default: the first eval_samples training prompts")
+    eval_samples: int = arg(32, "evaluation samples: the eval prompts in order, cycled (each repeat with its own fixed "
+                                "noise) to this many")
     resolution: int = arg(32, "image height and width in pixels")
     max_sequence_length: int = arg(8, "T5 tokens per prompt")
     tiny_fit_steps: int = arg(250, "tiny models only: steps fitting them to toy images before RL (0 = random weights)")
@@ -132,7 +134,9 @@ class Config:
 PRESETS = {
     # K = 8: on the pipeline's own (finer-ending) grid the tiny run with K = 4 learned then fell back (eval 0.573 ->
     # 0.615 at iteration 40 -> 0.554 at 60); K = 8 rose steadily (0.578 -> 0.650 at 40) for 20% more time.
-    "tiny": dict(num_mc=8),
+    # 128 evaluation samples (the 32 built-in prompts x 4 noises): 8 samples moved by +-0.02 between evaluations of
+    # one run, as much as RL gains here, so the eval curve said little (README, "Stability").
+    "tiny": dict(num_mc=8, eval_samples=128),
     # Paper, SD3.5-Medium stage 1 (preference): fully on-policy, soft clip only. micro_batch_size 4 (16 rows of
     # K = 4 per forward): the memory plan (--plan) puts 8 at 87 GiB per GPU, 4 at 49 GiB of 80; same compute.
     "sd35m": dict(model="stabilityai/stable-diffusion-3.5-medium", resolution=512, max_sequence_length=256,
@@ -224,7 +228,8 @@ NUMERIC_RULES = {
     "clip_eps": _positive(1), "kl_coef": _at_least(0), "num_grad_steps": _at_least(1), "iterations": _at_least(1),
     "lr": _positive(1), "weight_decay": _at_least(0), "max_grad_norm": _positive(), "lora_rank": _at_least(0),
     "lora_alpha": _positive(), "micro_batch_size": _at_least(1), "rollout_batch_size": _at_least(1),
-    "hsdp": _at_least(0), "max_skipped_steps": _at_least(1), "seed": _at_least(0), "log_every": _at_least(1), "eval_every": _at_least(0),
+    "hsdp": _at_least(0), "max_skipped_steps": _at_least(1), "seed": _at_least(0), "log_every": _at_least(1),
+    "eval_every": _at_least(0), "eval_samples": _at_least(1),
     "save_every": _at_least(1), "plan_world_size": _at_least(0), "plan_gpu_gb": _at_least(0),
 }
 
@@ -900,10 +905,13 @@ class Tracker:
             self.backend.log(scalars, step=iteration)
 
 
+GRID_SAMPLES = 16  # evaluation samples drawn in each grid (the JSON beside it lists all of rank 0's)
+
+
 def save_samples(images: torch.Tensor, captions: list[str], records: list[dict], path: Path) -> None:
     """The evaluation samples a person can read: one PNG grid (rows of up to 8) with each image's caption (prompt and
     rewards) under it, cells at least 128 px wide (tiny images are enlarged, nearest), and a JSON file beside it
-    with the prompts, noise indices and rewards of every sample."""
+    with the prompts, noise indices and rewards of every sample in records (the grid shows the first len(images))."""
     from PIL import Image, ImageDraw
 
     cell = max(128, images.shape[-1])
@@ -1147,8 +1155,9 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
         records = [{"prompt": p.text, "seed": cfg.seed, "noise_index": i,
                     "rewards": {n: s[j].item() for n, s in scores.items()}}
                    for j, (p, i) in enumerate(zip(chosen, indices)) if real[j]]
-        captions = [f"{r['prompt']} | " + " ".join(f"{n} {v:.3f}" for n, v in r["rewards"].items()) for r in records]
-        save_samples(model.decode(x0[:len(records)]), captions, records, grid_path)
+        shown = records[:GRID_SAMPLES]
+        captions = [f"{r['prompt']} | " + " ".join(f"{n} {v:.3f}" for n, v in r["rewards"].items()) for r in shown]
+        save_samples(model.decode(x0[:len(shown)]), captions, records, grid_path)
     return means
 
 
@@ -1170,7 +1179,8 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(0 if plan.fits() else f"error: does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         prompts = load_prompts(cfg.prompts) if cfg.prompts else [Prompt(p, {}) for p in models.TINY_PROMPTS]
-        eval_prompts = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else prompts[:8]
+        listed = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else prompts[:cfg.eval_samples]
+        eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]  # position i: fixed noise i
         names = rewards.parse_reward_spec(cfg.rewards)
         check_prompts_for_rewards(prompts, names, cfg.prompts or "the built-in prompts")
         if cfg.eval_prompts:
