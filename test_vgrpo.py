@@ -1624,19 +1624,25 @@ def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(re
     """FLUX.1-dev width, 2 processes, FSDP2 with bf16 compute: the sharded LoRA and AdamW states are float32, and
     the LoRA gathered from the shards loads into diffusers with the trained transformer's output."""
     run_train("--model", real_dirs / "flux.1-dev", "--prompts", real_dirs / "prompts.txt", "--run_dir", tmp_path,
-              *REAL_SMALL_RUN, "--num_prompts", "2", "--sampling_steps", "1", "--num_mc", "2", "--micro_batch_size",
-              "2", "--dtype", "bfloat16", "--lr", "1e-2", nproc=2)
+              *REAL_SMALL_RUN, *BF16_TOKENS, "--num_prompts", "2", "--sampling_steps", "1", "--num_mc", "2",
+              "--micro_batch_size", "2", "--dtype", "bfloat16", "--lr", "1e-2", nproc=2)
     metrics = read_metrics(tmp_path)[0]
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["skipped_steps"] == 0
     assert checkpoint_dtypes(tmp_path) == {("model", torch.float32), ("optim", torch.float32)}
     assert_export_reproduces_training(tmp_path, real_dirs / "flux.1-dev", "flux", lora=True)
 
 
+# bf16 runs at real width use 4 image tokens (32 px) and 4 T5 tokens: CPUs without AVX-512 BF16 multiply a bf16 matrix
+# by a row-major bf16 weight (the input gradient of every frozen linear) ~50x slower than in float32, linearly in the
+# tokens; the widths, dtypes and layouts under test do not depend on the token count.
+BF16_TOKENS = ["--resolution", "32", "--max_sequence_length", "4"]
+
+
 def one_bf16_step(model_dir, family, dtype, *extra, init=None):
     """train.py's model setup in `dtype` and one vgrpo_update (AdamW lr 1e-4, the flux preset's, no weight decay) on a
     fixed rollout batch; returns the adapter, the trainable parameters before the step, the gradients the step
     used and the optimizer. init: trainable weights to start from (by name)."""
-    cfg = train.parse_config(["--model", str(model_dir), "--resolution", "64", "--max_sequence_length", "8", *extra])
+    cfg = train.parse_config(["--model", str(model_dir), *BF16_TOKENS, *extra])
     torch.manual_seed(0)  # the same LoRA initialisation in every call
     model = train.load_pipeline(cfg, family, torch.device("cpu"), dtype)
     train.make_trainable(model.transformer, cfg)
