@@ -21,9 +21,13 @@
    way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training.
 7. Scale: surrogate rows and interleaved wall time of the old-policy pass before/after computing s_old only where it
    differs from the first gradient pass; FSDP2 all-gathers of a rollout with and without train.gathered_once.
+8. Stability on the 2-D toy: learning rate 1e-3 .. 3e-2 against each gradient-step control (x-space KL, one gradient
+   step, K, the timestep range) and the MDP baseline: divergence rate, runs reaching success, iterations and model
+   evaluations to it, and how far the reward falls back after its best (`--sections 8`, about 10 minutes).
 
 Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
-Nothing here was tuned to make V-GRPO win: the toy settings are vgrpo.ToyConfig's defaults.
+The toy settings are vgrpo.ToyConfig's defaults, chosen in section 8 for stability and speed (lr 3e-3, x-space KL 0.3);
+the MDP baseline of section 3 runs at the same learning rate.
 """
 
 import argparse
@@ -151,10 +155,11 @@ ABLATIONS = {
     "v-prediction, self-normalised": dict(param="v"),
     "eps-prediction, self-normalised": dict(param="eps"),
     "x-prediction, not normalised": dict(self_normalize=False),
-    "ratio clip only": dict(soft_clip_eta=None),
-    "soft clip only": dict(clip_eps=None),
+    "ratio clip only": dict(soft_clip_eta=None, kl_coef=0.0),
+    "soft clip only": dict(clip_eps=None, kl_coef=0.0),
     "KL only (beta 0.3)": dict(clip_eps=None, soft_clip_eta=None, kl_coef=0.3),
-    "no control": dict(clip_eps=None, soft_clip_eta=None),
+    "no control": dict(clip_eps=None, soft_clip_eta=None, kl_coef=0.0),
+    "no KL (clip and soft clip; the default before section 8)": dict(kl_coef=0.0),
 }
 
 
@@ -180,7 +185,8 @@ def section_ablations(toy_model, out: Path) -> tuple[str, dict]:
         plot(out / f"ablation_{group}.png", {n: np.mean([[h["reward_mean"] for h in run] for run in runs[n]], 0) for n in names},
              title=f"2-D toy, {group} (mean of {len(SEEDS)} seeds)", ylabel="reward (minus distance to the asked mode)")
     text = (f"{iterations} iterations of vgrpo.train_toy (ToyConfig defaults: 8 prompts x 16 samples, 16 Euler steps, "
-            f"K = 4, 4 gradient steps per batch, ratio clip 0.01, soft clip 3, Adam 1e-3) from one pretrained model; "
+            f"K = 4, 4 gradient steps per batch, ratio clip 0.01, soft clip 3, x-space KL 0.3, Adam 3e-3) from one "
+            "pretrained model; "
             f"seeds {SEEDS}. Success = at least {SUCCESS:.0%} of an iteration's rollouts in the requested mode; "
             "mode distance = mean distance to the nearest mode (the data's is about 0.25: larger means smeared).\n\n"
             + table(["variant", "final reward", "final fraction in mode", "final mode distance",
@@ -246,9 +252,10 @@ def counted_vgrpo_toy(model, cfg: vgrpo.ToyConfig) -> list[dict]:
     history = vgrpo.train_toy(model, cfg)
     per_iteration = cfg.num_prompts * cfg.group_size
     for i, h in enumerate(history, 1):
-        # Per sample: rollout (sampling_steps) and old-policy pass (K) forwards, then K forwards and K
-        # backwards in the one mini-batch that holds it.
-        h.update(nfe_fwd=i * per_iteration * (cfg.sampling_steps + 2 * cfg.num_mc), nfe_bwd=i * per_iteration * cfg.num_mc)
+        # Per sample: rollout (sampling_steps) forwards, K forwards and K backwards in the one mini-batch that holds
+        # it, and K old-policy forwards for the samples of every mini-batch but the first (vgrpo_update's saving).
+        old_pass = cfg.num_mc * (cfg.num_grad_steps - 1) / cfg.num_grad_steps
+        h.update(nfe_fwd=i * per_iteration * (cfg.sampling_steps + cfg.num_mc + old_pass), nfe_bwd=i * per_iteration * cfg.num_mc)
     return history
 
 
@@ -276,14 +283,71 @@ def section_mdp(toy_model, out: Path) -> tuple[str, dict]:
                + (f"NFE x{mean_std(ratios['NFE'])}, wall time x{mean_std(ratios['seconds'])} "
                   f"({len(ratios['NFE'])} of {len(SEEDS)} seeds reached success with both)" if ratios["NFE"]
                   else "not comparable (a method never reached success)"))
-    text = (f"Same pretrained toy model, reward, prompts per iteration (8 x 16), 16 sampling steps and Adam 1e-3; "
+    text = ("Same pretrained toy model, reward, prompts per iteration (8 x 16), 16 sampling steps and Adam 3e-3; "
             f"up to {iterations} iterations. V-GRPO: ToyConfig defaults (ODE rollouts, K = 4, 4 gradient steps per "
-            "batch). Flow-GRPO-style: SDE rollouts (noise level 0.7), a clipped ratio (0.2) per denoising step, one "
-            "optimizer step per batch over all 16 steps, no KL. NFE = forward + backward model evaluations "
+            "batch, x-space KL 0.3). Flow-GRPO-style: SDE rollouts (noise level 0.7), a clipped ratio (0.2) per "
+            "denoising step, one optimizer step per batch over all 16 steps, no KL. NFE = forward + backward model evaluations "
             f"until the first iteration with at least {SUCCESS:.0%} of rollouts in the requested mode.\n\n"
             + table(["method", "seed", "iterations to success", "NFE to success", "seconds to success",
                      "final fraction in mode", "final mode distance"], rows) + "\n\n" + summary)
     return text, {"ratios": ratios, "curves": {n: [list(map(float, c)) for c in cs] for n, cs in curves.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Stability: learning rate against the gradient-step controls, and the MDP baseline
+
+STABILITY_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
+STABILITY_SEEDS = tuple(range(5))
+STABILITY_VARIANTS = {  # ToyConfig overrides; the first row is ToyConfig's defaults before this section existed
+    "V-GRPO, no KL (clip 0.01 x 4 steps, soft clip 3)": dict(kl_coef=0.0),
+    "+ x-space KL 0.3": dict(kl_coef=0.3),
+    "1 gradient step per batch, no KL": dict(kl_coef=0.0, num_grad_steps=1),
+    "K = 8, no KL": dict(kl_coef=0.0, num_mc=8),
+    "t in [0.05, 0.95], no KL": dict(kl_coef=0.0, t_min=0.05, t_max=0.95),
+}
+DIVERGED_REWARD = -10.0  # the pretrained toy scores about -2.6; below -10 most samples are far off every mode
+
+
+def diverged_at(history: list[dict]) -> int | None:
+    """First iteration with a non-finite or runaway reward (rollouts far off every mode) or a skipped step."""
+    return next((i for i, h in enumerate(history) if not h["reward_mean"] >= DIVERGED_REWARD
+                 or h.get("skipped_steps", 0) > 0), None)
+
+
+def stability_row(name: str, lr: float, histories: list[list[dict]]) -> list:
+    hits = [(first_success(h), h) for h in histories]
+    reached = [(i, h) for i, h in hits if i is not None and (diverged_at(h) is None or diverged_at(h) > i)]
+    falls = [max(x["reward_mean"] for x in h) - h[-1]["reward_mean"] for h in histories if diverged_at(h) is None]
+    n = len(histories)
+    return [name, f"{lr:g}", f"{sum(diverged_at(h) is not None for h in histories)}/{n}", f"{len(reached)}/{n}",
+            f"{np.median([i for i, _ in reached]):.0f}" if reached else "-",
+            f"{np.median([h[i]['nfe_fwd'] + h[i]['nfe_bwd'] for i, h in reached]) / 1e3:.0f}k" if reached else "-",
+            f"{np.median(falls):.3f}" if falls else "-"]
+
+
+def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, dict]:
+    rows, curves = [], {}
+    for lr in STABILITY_LRS:
+        for name, over in {**STABILITY_VARIANTS, "Flow-GRPO-style (MDP)": None}.items():
+            histories = []
+            for seed in STABILITY_SEEDS:
+                cfg = vgrpo.ToyConfig(iterations=iterations, seed=seed, lr=lr, **(over or {}))
+                run = counted_vgrpo_toy if over is not None else flow_grpo_toy
+                histories.append(run(copy.deepcopy(toy_model), cfg))
+            rows.append(stability_row(name, lr, histories))
+            curves[f"{name} @ {lr:g}"] = [[x["reward_mean"] for x in h] for h in histories]
+    for lr in STABILITY_LRS:
+        plot(out / f"stability_lr{lr:g}.png",
+             {n: np.median(curves[f"{n} @ {lr:g}"], 0) for n in [*STABILITY_VARIANTS, "Flow-GRPO-style (MDP)"]},
+             title=f"2-D toy at lr {lr:g}: median reward of {len(STABILITY_SEEDS)} seeds", ylabel="reward")
+    text = (f"{iterations} iterations of vgrpo.train_toy per run (8 prompts x 16 samples, 16 Euler steps, Adam), seeds "
+            f"{STABILITY_SEEDS[0]}-{STABILITY_SEEDS[-1]}, from one pretrained model; the MDP baseline is section 3's. Diverged = "
+            f"a non-finite reward, a skipped step or a mean reward below {DIVERGED_REWARD:g} at any iteration. Success as "
+            "in section 2, counted only before a divergence; NFE = forward + backward model evaluations to it; fall-back = "
+            "best minus final mean reward of the runs that did not diverge (how far the reward falls back after its best).\n\n"
+            + table(["variant", "lr", "diverged", "reached success", "median iterations to success", "median NFE to success",
+                     "median fall-back"], rows))
+    return text, {"rows": rows, "curves": curves}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -629,7 +693,8 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="1,2,3,4,5,7", help="comma-separated section numbers (6: real checkpoints)")
+    parser.add_argument("--sections", default="1,2,3,4,5,7",
+                        help="comma-separated section numbers (6: real checkpoints, 8: stability)")
     parser.add_argument("--out", default="results", help="output directory")
     args = parser.parse_args()
     sections = {int(s) for s in args.sections.split(",")}
@@ -637,13 +702,14 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     report, data = [f"# bench.py results ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__})"], {}
-    toy_model = vgrpo.pretrain_toy_flow() if sections & {1, 2, 3} else None
+    toy_model = vgrpo.pretrain_toy_flow() if sections & {1, 2, 3, 8} else None
     jobs = {
         1: ("1. Surrogate statistics", lambda: section_surrogate(toy_model, tiny_model(fit_steps=250))),
         2: ("2. Ablations on the 2-D toy", lambda: section_ablations(toy_model, out)),
         3: ("3. V-GRPO against a Flow-GRPO-style MDP baseline", lambda: section_mdp(toy_model, out)),
         4: ("4. Overhead", section_overhead),
         7: ("7. Scale: the old-policy pass and FSDP2 rollout all-gathers", section_scale),
+        8: ("8. Stability: learning rate against the gradient-step controls", lambda: section_stability(toy_model, out)),
         5: ("5. GPU throughput at the paper's model sizes", section_gpu),
         6: ("6. The real-model path on real checkpoints", section_real_models),
     }
