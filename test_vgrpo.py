@@ -2031,6 +2031,21 @@ def test_flow_grpo_baseline_step_log_prob_is_the_gaussian_density():
     torch.testing.assert_close(again, log_prob)
 
 
+def test_stability_table_counts_success_only_before_a_divergence():
+    def run(rewards, fracs):
+        return [{"reward_mean": r, "frac_target_mode": f, "nfe_fwd": 100 * i, "nfe_bwd": 50 * i}
+                for i, (r, f) in enumerate(zip(rewards, fracs), 1)]
+
+    steady = run([-2.0, -1.0, -0.5, -0.6], [0.3, 0.95, 0.99, 0.99])
+    late = run([-2.0, -11.0, -0.5, -0.4], [0.3, 0.4, 0.95, 0.99])  # succeeds only after leaving the range
+    broken = run([-2.0, -1.0, float("nan"), float("nan")], [0.3, 0.95, 0.1, 0.1])  # succeeds, then non-finite
+    assert [bench.diverged_at(h) for h in (steady, late, broken)] == [None, 1, 2]
+    row = bench.stability_row("v", 1e-2, [steady, late, broken])
+    # diverged 2/3; success counted for steady and broken (before its divergence), at iteration 1 with 300 evaluations;
+    # fall-back only over runs that did not diverge: best -0.5, final -0.6
+    assert row == ["v", "0.01", "2/3", "2/3", "1", "0k", "0.100"]
+
+
 def test_flow_grpo_baseline_sde_keeps_the_marginals_of_the_flow():
     """Data N(m, s^2): the exact velocity is linear in x; the SDE must end at N(m, s^2) like the ODE."""
     m, s = 1.5, 0.5
