@@ -270,7 +270,7 @@ def section_mdp(toy_model, out: Path) -> tuple[str, dict]:
             curves.setdefault(name, []).append([x["reward_mean"] for x in h])
             hit = first_success(h)
             rows.append([name, seed, "-" if hit is None else hit,
-                         "-" if hit is None else h[hit]["nfe_fwd"] + h[hit]["nfe_bwd"],
+                         "-" if hit is None else round(h[hit]["nfe_fwd"] + h[hit]["nfe_bwd"]),
                          "-" if hit is None else f"{h[hit]['seconds']:.1f}", f"{h[-1]['frac_target_mode']:.3f}",
                          f"{h[-1]['mode_dist']:.3f}"])
         a, b = first_success(ours), first_success(base)
@@ -338,7 +338,8 @@ def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, 
             curves[f"{name} @ {lr:g}"] = [[x["reward_mean"] for x in h] for h in histories]
     for lr in STABILITY_LRS:
         plot(out / f"stability_lr{lr:g}.png",
-             {n: np.median(curves[f"{n} @ {lr:g}"], 0) for n in [*STABILITY_VARIANTS, "Flow-GRPO-style (MDP)"]},
+             {n: np.median(np.nan_to_num(curves[f"{n} @ {lr:g}"], nan=-np.inf), 0)  # a non-finite run counts as lowest
+              for n in [*STABILITY_VARIANTS, "Flow-GRPO-style (MDP)"]},
              title=f"2-D toy at lr {lr:g}: median reward of {len(STABILITY_SEEDS)} seeds", ylabel="reward")
     text = (f"{iterations} iterations of vgrpo.train_toy per run (8 prompts x 16 samples, 16 Euler steps, Adam), seeds "
             f"{STABILITY_SEEDS[0]}-{STABILITY_SEEDS[-1]}, from one pretrained model; the MDP baseline is section 3's. Diverged = "
