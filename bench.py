@@ -305,6 +305,7 @@ STABILITY_VARIANTS = {  # ToyConfig overrides; the first row is ToyConfig's defa
     "K = 8, no KL": dict(kl_coef=0.0, num_mc=8),
     "t in [0.05, 0.95], no KL": dict(kl_coef=0.0, t_min=0.05, t_max=0.95),
 }
+MDP = "Flow-GRPO-style (MDP)"
 DIVERGED_REWARD = -10.0  # the pretrained toy scores about -2.6; below -10 most samples are far off every mode
 
 
@@ -315,11 +316,11 @@ def diverged_at(history: list[dict]) -> int | None:
 
 
 def stability_row(name: str, lr: float, histories: list[list[dict]]) -> list:
-    hits = [(first_success(h), h) for h in histories]
-    reached = [(i, h) for i, h in hits if i is not None and (diverged_at(h) is None or diverged_at(h) > i)]
-    falls = [max(x["reward_mean"] for x in h) - h[-1]["reward_mean"] for h in histories if diverged_at(h) is None]
+    runs = [(first_success(h), diverged_at(h), h) for h in histories]
+    reached = [(i, h) for i, d, h in runs if i is not None and (d is None or d > i)]
+    falls = [max(x["reward_mean"] for x in h) - h[-1]["reward_mean"] for _, d, h in runs if d is None]
     n = len(histories)
-    return [name, f"{lr:g}", f"{sum(diverged_at(h) is not None for h in histories)}/{n}", f"{len(reached)}/{n}",
+    return [name, f"{lr:g}", f"{sum(d is not None for _, d, _ in runs)}/{n}", f"{len(reached)}/{n}",
             f"{np.median([i for i, _ in reached]):.0f}" if reached else "-",
             f"{np.median([h[i]['nfe_fwd'] + h[i]['nfe_bwd'] for i, h in reached]) / 1e3:.0f}k" if reached else "-",
             f"{np.median(falls):.3f}" if falls else "-"]
@@ -328,7 +329,7 @@ def stability_row(name: str, lr: float, histories: list[list[dict]]) -> list:
 def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, dict]:
     rows, curves = [], {}
     for lr in STABILITY_LRS:
-        for name, over in {**STABILITY_VARIANTS, "Flow-GRPO-style (MDP)": None}.items():
+        for name, over in {**STABILITY_VARIANTS, MDP: None}.items():
             histories = []
             for seed in STABILITY_SEEDS:
                 cfg = vgrpo.ToyConfig(iterations=iterations, seed=seed, lr=lr, **(over or {}))
@@ -339,7 +340,7 @@ def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, 
     for lr in STABILITY_LRS:
         plot(out / f"stability_lr{lr:g}.png",
              {n: np.median(np.nan_to_num(curves[f"{n} @ {lr:g}"], nan=-np.inf), 0)  # a non-finite run counts as lowest
-              for n in [*STABILITY_VARIANTS, "Flow-GRPO-style (MDP)"]},
+              for n in [*STABILITY_VARIANTS, MDP]},
              title=f"2-D toy at lr {lr:g}: median reward of {len(STABILITY_SEEDS)} seeds", ylabel="reward")
     text = (f"{iterations} iterations of vgrpo.train_toy per run (8 prompts x 16 samples, 16 Euler steps, Adam), seeds "
             f"{STABILITY_SEEDS[0]}-{STABILITY_SEEDS[-1]}, from one pretrained model; the MDP baseline is section 3's. Diverged = "

@@ -83,6 +83,12 @@ def processor_preprocess(images: torch.Tensor, image_processor: Any) -> torch.Te
     return image_processor(images=to_pil(images), return_tensors="pt").pixel_values
 
 
+def normalised_pixels(pictures: list, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
+    """PIL RGB images of one size -> (B, 3, H, W) floats: ToTensor's / 255, then (x - mean) / std per channel."""
+    x = torch.stack([torch.from_numpy(np.asarray(p).copy()).permute(2, 0, 1).float() / 255 for p in pictures])
+    return (x - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+
+
 def resize_longest_and_pad(images: torch.Tensor, image_processor: Any) -> torch.Tensor:
     """HPSv2's evaluation transform (open_clip's image_transform with resize_longest_max, i.e. ResizeMaxSize): the
     uint8 image's LONGEST side resized to the model's size with PIL bicubic (the other side round()ed), then padded
@@ -92,7 +98,7 @@ def resize_longest_and_pad(images: torch.Tensor, image_processor: Any) -> torch.
     from PIL import Image
 
     size = image_processor.crop_size["height"]
-    pixels = []
+    pictures = []
     for image in to_pil(images):
         w, h = image.size
         if max(w, h) != size:
@@ -100,10 +106,8 @@ def resize_longest_and_pad(images: torch.Tensor, image_processor: Any) -> torch.
             image = image.resize((new_w, new_h), Image.BICUBIC)
         canvas = Image.new("RGB", (size, size))
         canvas.paste(image, ((size - image.size[0]) // 2, (size - image.size[1]) // 2))
-        pixels.append(torch.from_numpy(np.asarray(canvas).copy()).permute(2, 0, 1).float() / 255)
-    mean = torch.tensor(image_processor.image_mean).view(1, 3, 1, 1)
-    std = torch.tensor(image_processor.image_std).view(1, 3, 1, 1)
-    return (torch.stack(pixels) - mean) / std
+        pictures.append(canvas)
+    return normalised_pixels(pictures, image_processor.image_mean, image_processor.image_std)
 
 
 # open_clip's tokenizer cleans text before BPE (basic_clean: ftfy.fix_text, html.unescape twice, strip; then
@@ -407,7 +411,7 @@ def resize_shorter_and_center_crop(images: torch.Tensor, size: int, mean: Sequen
     (B, 3, H, W) in [0, 1] -> (B, 3, size, size) normalised. (CLIP processors crop at (dim - size) // 2 instead.)"""
     from PIL import Image
 
-    pixels = []
+    pictures = []
     for image in to_pil(images):
         w, h = image.size
         short, long = (w, h) if w <= h else (h, w)
@@ -416,9 +420,8 @@ def resize_shorter_and_center_crop(images: torch.Tensor, size: int, mean: Sequen
             image = image.resize((size, new_long) if w <= h else (new_long, size), Image.BICUBIC)
         w, h = image.size
         left, top = int(round((w - size) / 2.0)), int(round((h - size) / 2.0))
-        image = image.crop((left, top, left + size, top + size))
-        pixels.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).float() / 255)
-    return (torch.stack(pixels) - torch.tensor(mean).view(1, 3, 1, 1)) / torch.tensor(std).view(1, 3, 1, 1)
+        pictures.append(image.crop((left, top, left + size, top + size)))
+    return normalised_pixels(pictures, mean, std)
 
 
 class ImageRewardModel(nn.Module):
@@ -492,7 +495,8 @@ def imagereward_from_state_dict(state: dict[str, torch.Tensor], *, vision_heads:
 
     patch = sd["vision_model.embeddings.patch_embedding.weight"]
     grid = math.isqrt(sd["vision_model.embeddings.position_embedding"].shape[1] - 1)
-    words, positions = sd["text_encoder.embeddings.word_embeddings.weight"], sd["text_encoder.embeddings.position_embeddings.weight"]
+    words = sd["text_encoder.embeddings.word_embeddings.weight"]
+    positions = sd["text_encoder.embeddings.position_embeddings.weight"]
     vision = BlipVisionConfig(hidden_size=patch.shape[0], patch_size=patch.shape[-1], image_size=grid * patch.shape[-1],
                               intermediate_size=sd["vision_model.encoder.layers.0.mlp.fc1.weight"].shape[0],
                               num_hidden_layers=layers("vision_model.encoder.layers."), num_attention_heads=vision_heads,
