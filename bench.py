@@ -15,10 +15,12 @@
 4. Overhead: one V-GRPO update against the bare forward + backward of the same model on the same
    tensors; seconds per phase and peak memory from train.py; 1 against 2 processes (torchrun, gloo).
 5. GPU (CUDA only): images/s and step time at the real SD3.5-Medium and FLUX.1-dev transformer sizes
-   (random weights), bf16, LoRA, activation checkpointing off and on; about 5 minutes on one GPU.
+   (random weights), bf16, LoRA, activation checkpointing off and on; a row that runs out of memory says so.
 6. Real checkpoints (CUDA and the hub; `--sections 6`): the real-model-path checks the tests make at reduced
    depth on CPU, on SD3.5-Medium and FLUX.1-dev themselves: Euler rollouts against `pipe(...)` called the plain
-   way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training.
+   way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training, the
+   iteration's peak memory against the memory plan. `--sections 6 --reduced`: the same on real-width, reduced-depth
+   pipelines with random weights built in place (no hub), as the tests build them.
 7. Scale: surrogate rows and interleaved wall time of the old-policy pass before/after computing s_old only where it
    differs from the first gradient pass; FSDP2 all-gathers of a rollout with and without train.gathered_once.
 8. Stability on the 2-D toy: learning rate 1e-3 .. 3e-2 against each gradient-step control (x-space KL, one gradient
@@ -31,6 +33,7 @@ the MDP baseline of section 3 runs at the same learning rate.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -48,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 import models
+import rewards
 import train
 import vgrpo
 
@@ -198,20 +202,27 @@ def section_ablations(toy_model, out: Path) -> tuple[str, dict]:
 # 3. Against the MDP approach: a Flow-GRPO-style baseline, here only
 
 
-def sde_step(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float, x_next=None, generator=None):
-    """One Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
+def sde_mean_std(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float):
+    """Mean and std of one Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
         x' = x + (v + sigma^2 / (2t) (x + (1 - t) v)) dt + sigma sqrt(-dt) z,   sigma = a sqrt(t / (1 - t)),
-    dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score. t_cap keeps sigma finite at t = 1.
-    Draws x' unless given; returns x' and its Gaussian log-density per sample, averaged over dimensions."""
-    v = velocity(x, torch.full((x.shape[0],), t), cond)
+    dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score. t_cap keeps sigma finite at t = 1."""
+    v = velocity(x, torch.full((x.shape[0],), t, device=x.device), cond)
     dt = t_next - t
     sigma = noise_level * math.sqrt(t / (1 - min(t, t_cap)))
-    mean = x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt
-    std = sigma * math.sqrt(-dt)
+    return x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt, sigma * math.sqrt(-dt)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """Per-sample log-density of x under N(mean, std^2 I), averaged over dimensions (Flow-GRPO's convention)."""
+    return (-((x - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
+
+
+def sde_step(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float, x_next=None, generator=None):
+    """One SDE step (sde_mean_std): draws x' unless given; returns x' and its log-density (gaussian_log_prob)."""
+    mean, std = sde_mean_std(velocity, x, t, t_next, cond, noise_level=noise_level, t_cap=t_cap)
     if x_next is None:
-        x_next = mean + std * torch.randn(x.shape, generator=generator)
-    log_prob = (-((x_next - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
-    return x_next, log_prob
+        x_next = mean + std * torch.randn(x.shape, generator=generator).to(x.device)
+    return x_next, gaussian_log_prob(x_next, mean, std)
 
 
 def flow_grpo_toy(model, cfg: vgrpo.ToyConfig, *, noise_level: float = 0.7, clip_eps: float = 0.2) -> list[dict]:
@@ -350,6 +361,158 @@ def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, 
             + table(["variant", "lr", "diverged", "reached success", "median iterations to success", "median NFE to success",
                      "median fall-back"], rows))
     return text, {"rows": rows, "curves": curves}
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. Stability on the tiny SD3 pipeline of the README: train.py against Flow-GRPO written for the pipeline
+
+SD3_THRESHOLDS = (0.60, 0.61)  # eval reward (color) on 32 prompts x 4 fixed noises; the fitted model starts near 0.575
+
+
+@contextlib.contextmanager
+def adapters_disabled(transformer):
+    """The reference policy: the transformer with its LoRA switched off."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_every: int) -> list[dict]:
+    """train.py itself (tiny preset) on a saved pipeline; per iteration the eval reward where evaluated, and the model
+    evaluations (forward + backward) and training seconds (evaluations excluded) so far."""
+    subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), "--model", str(model_dir), "--seed",
+                    str(seed), "--prompts", str(model_dir / "prompts.txt"), "--iterations", str(iterations),
+                    "--eval_every", str(eval_every), "--run_dir", str(run_dir)],
+                   check=True, capture_output=True)
+    cfg = json.loads((run_dir / "config.json").read_text())
+    history, nfe, seconds = [], 0, 0.0
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        nfe += cfg["num_prompts"] * cfg["group_size"] * (m["nfe_rollout"] + m["nfe_old"] + 2 * m["nfe_grad"])
+        seconds += m["time_rollout"] + m["time_reward"] + m["time_update"]
+        history.append(dict(reward_mean=m["reward_mean"], eval=m.get("eval/reward_mean"), nfe=nfe, seconds=seconds))
+    return history
+
+
+def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, steps: int = 10,
+                  noise_level: float = 0.7, clip_eps: float = 1e-4, kl_coef: float = 0.04) -> list[dict]:
+    """Flow-GRPO (Liu et al. 2025, arXiv 2505.05470) on train.py's adapter, prompts, rewards, LoRA, optimizer, rollout
+    noise and evaluation: SDE rollouts of `steps` steps (sde_step), each step an action with its own Gaussian log-prob
+    and clipped ratio; group-standardised advantages clipped to [-5, 5], shared by the steps; the exact per-step KL
+    between the policy's and the reference's Gaussian kernels, ||mu - mu_ref||^2 / (2 std^2) averaged over dimensions,
+    the reference being the LoRA switched off; the first int(0.99 steps) steps trained (timestep fraction 0.99), one
+    optimizer step per rollout batch over all of them. History as vgrpo_sd3's."""
+    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed)])
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
+    model = train.load_pipeline(cfg, "sd3", device, torch.float32)
+    train.make_trainable(model.transformer, cfg)
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    weights = rewards.parse_reward_spec(cfg.rewards)
+    reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
+    prompts = [train.Prompt(p, {}) for p in models.TINY_PROMPTS]
+    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
+    grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
+                       max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
+    trained = int(steps * 0.99)
+    kernel = partial(sde_mean_std, model.velocity, noise_level=noise_level, t_cap=grid[1])
+    P, G = cfg.num_prompts, cfg.group_size
+    g = torch.Generator().manual_seed(seed)
+    history, nfe, seconds = [], 0, 0.0
+    for it in range(iterations):
+        start = time.perf_counter()
+        batch = [prompts[i] for i in train.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
+        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+        x, path = train.initial_noise(cfg, model, "rollout", it, range(P * G), device), []
+        with torch.no_grad():
+            for t, t_next in zip(grid[:-1], grid[1:]):
+                x_next, log_prob = sde_step(model.velocity, x, t, t_next, cond, noise_level=noise_level, t_cap=grid[1],
+                                            generator=g)
+                path.append((x, t, t_next, x_next, log_prob))
+                x = x_next
+            images = model.decode(x)
+        scores = {n: fn(images, [p.text for p in batch], [p.metadata for p in batch]).float() for n, fn in reward_fns.items()}
+        reward = sum(w * scores[n] for n, w in weights.items())
+        adv = vgrpo.group_advantages(reward.view(P, G)).clamp(-5, 5).flatten()
+        optimizer.zero_grad()
+        for x_t, t, t_next, x_next, old in path[:trained]:
+            mean, std = kernel(x_t, t, t_next, cond)
+            with torch.no_grad(), adapters_disabled(model.transformer):
+                ref_mean, _ = kernel(x_t, t, t_next, cond)
+            ratio = (gaussian_log_prob(x_next, mean, std) - old).exp()
+            policy = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)).mean()
+            kl = ((mean - ref_mean) ** 2).flatten(1).mean(1).mean() / (2 * std**2)
+            ((policy + kl_coef * kl) / trained).backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        optimizer.step()
+        seconds += time.perf_counter() - start
+        nfe += P * G * (steps + 3 * trained)  # rollout; per trained step a forward, a backward and the reference's forward
+        entry = dict(reward_mean=reward.mean().item(), eval=None, nfe=nfe, seconds=seconds)
+        if it % eval_every == 0 or it == iterations - 1:
+            entry["eval"] = train.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
+                                           None)["eval/reward_mean"]
+        history.append(entry)
+    return history
+
+
+def threshold_cost(history: list[dict], threshold: float) -> dict | None:
+    """The first evaluated iteration at or above threshold: iterations, model evaluations and seconds to it."""
+    return next((dict(iterations=i + 1, nfe=h["nfe"], seconds=h["seconds"]) for i, h in enumerate(history)
+                 if h["eval"] is not None and h["eval"] >= threshold), None)
+
+
+def fall_back(history: list[dict]) -> float:
+    """How far the eval reward falls after its best: best minus the lowest evaluation after it."""
+    evals = [h["eval"] for h in history if h["eval"] is not None]
+    best = int(np.argmax(evals))
+    return evals[best] - min(evals[best:])
+
+
+def section_sd3_stability(out: Path, seeds=SEEDS, iterations: dict | None = None, eval_every: int = 5,
+                          fit_steps: int | None = None) -> tuple[str, dict]:
+    iterations = iterations or {"V-GRPO": 30, MDP: 50}
+    root = Path(tempfile.mkdtemp())
+    fit_steps = train.Config().tiny_fit_steps if fit_steps is None else fit_steps
+    models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
+    (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(models.TINY_PROMPTS) + "\n")  # train.py's built-in ones
+    runs = {"V-GRPO": [], MDP: []}
+    for seed in seeds:
+        runs["V-GRPO"].append(vgrpo_sd3(root / "tiny-sd3", root / f"run-{seed}", seed, iterations["V-GRPO"], eval_every))
+        runs[MDP].append(flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every))
+    rows, ratios = [], {}
+    for threshold in SD3_THRESHOLDS:
+        costs = {name: [threshold_cost(h, threshold) for h in hs] for name, hs in runs.items()}
+        for name, cs in costs.items():
+            hit = [c for c in cs if c is not None]
+            rows.append([name, threshold, f"{len(hit)} of {len(cs)}",
+                         *(f"{np.median([c[k] for c in hit]):.0f}" if hit else "-" for k in ("iterations", "nfe")),
+                         f"{np.median([c['seconds'] for c in hit]):.0f}" if hit else "-",
+                         f"{np.median([fall_back(h) for h in runs[name]]):.3f}"])
+        pairs = [(a, b) for a, b in zip(costs["V-GRPO"], costs[MDP]) if a is not None and b is not None]
+        ratios[threshold] = {"NFE": [b["nfe"] / a["nfe"] for a, b in pairs],
+                             "seconds": [b["seconds"] / a["seconds"] for a, b in pairs]}
+    curves = {name: [[h["eval"] for h in run if h["eval"] is not None] for run in hs] for name, hs in runs.items()}
+    plot(out / "sd3_stability.png", {n: np.mean(c, 0) for n, c in curves.items()},
+         title=f"tiny SD3, color reward: mean eval reward of {len(seeds)} seeds (every {eval_every} iterations)",
+         ylabel="eval reward")
+    summary = "\n".join(
+        f"At {t:g}, MDP / V-GRPO per seed where both reach it ({len(r['NFE'])} of {len(seeds)}): model evaluations "
+        + (f"x{mean_std(r['NFE'])}, training time x{mean_std(r['seconds'])}" if r["NFE"] else "not comparable")
+        for t, r in ratios.items())
+    text = (f"Tiny SD3 fitted to toy images (the README's setting, {fit_steps} fitting steps), color reward, 8 prompts x 8 "
+            f"samples per iteration, AdamW 1e-3, LoRA r 32 (train.py defaults); seeds {seeds[0]}-{seeds[-1]}. V-GRPO: train.py's tiny preset "
+            f"({iterations['V-GRPO']} iterations, 8 Euler ODE steps, K = 8). {MDP}: flow_grpo_sd3 ({iterations[MDP]} "
+            "iterations, 10 SDE steps of noise level 0.7, ratio clip 1e-4, KL 0.04 to the reference). Both evaluated by "
+            f"train.evaluate every {eval_every} iterations on 32 prompts x 4 fixed noises with the 8-step Euler ODE. NFE = "
+            "forward + backward model evaluations of training (rollouts included, evaluations not); seconds likewise; "
+            "fall-back = best eval minus the lowest eval after it, median over seeds.\n\n"
+            + table(["method", "eval threshold", "seeds reaching it", "median iterations", "median NFE", "median seconds",
+                     "median fall-back"], rows) + "\n\n" + summary)
+    return text, {"ratios": {str(k): v for k, v in ratios.items()}, "curves": curves,
+                  "histories": {n: hs for n, hs in runs.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,6 +742,23 @@ REAL_SIZES = {
 }
 
 
+def gpu_row(spec: dict, ckpt: bool, device, dtype, repeats: int) -> dict:
+    """One row of section 5: a forward's seconds, one LoRA update against the bare forward + backward, peak memory."""
+    model = RandomModel(spec, device, dtype)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    cond = {k: v.expand(spec["samples"], *v.shape[1:]).to(device) for k, v in model.cond_template.items()}
+    noise = torch.randn(spec["samples"], *model.latent_shape(), device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        nfe_s, = median_seconds(lambda: (model.velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
+                                         sync()), repeats=repeats)
+    step = update_vs_floor(model, model.cond_template, samples=spec["samples"], num_mc=4, lora_rank=32,
+                           grad_checkpointing=ckpt, device=device, repeats=repeats)
+    memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return dict(nfe_s=nfe_s, memory_gb=memory, **step)
+
+
 class RandomModel:
     """A train.py adapter around a random transformer, with random text embeddings in place of encoders."""
 
@@ -600,30 +780,26 @@ class RandomModel:
                               "pooled": torch.randn(1, text["pooled"])}
 
 
-def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16) -> tuple[str, dict]:
+def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16, repeats: int = 3) -> tuple[str, dict]:
     device = device or torch.device("cuda")
+    models.avoid_cudnn_attention()  # as train.py does
     rows, results = [], {}
     for name, spec in sizes.items():
         for ckpt in (False, True):
-            model = RandomModel(spec, device, dtype)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            cond = {k: v.expand(spec["samples"], *v.shape[1:]).to(device) for k, v in model.cond_template.items()}
-            noise = torch.randn(spec["samples"], *model.latent_shape(), device=device)
-            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-            with torch.no_grad():
-                nfe_s, = median_seconds(lambda: (model.velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
-                                                 sync()), repeats=3)
-            step = update_vs_floor(model, model.cond_template, samples=spec["samples"], num_mc=4, lora_rank=32,
-                                   grad_checkpointing=ckpt, device=device)
-            memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-            results[f"{name} ckpt={ckpt}"] = dict(nfe_s=nfe_s, memory_gb=memory, **step)
-            del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            rows.append([name, "on" if ckpt else "off", spec["samples"], f"{nfe_s * 1e3:.0f}",
-                         f"{spec['samples'] / (nfe_s * spec['steps']):.2f}", f"{step['step_s'] * 1e3:.0f}",
-                         f"{step['ratio']:.2f}", f"{memory:.1f}"])
+            try:
+                result = gpu_row(spec, ckpt, device, dtype, repeats)
+            except torch.OutOfMemoryError:  # a row that does not fit is a result, not the end of the section
+                results[f"{name} ckpt={ckpt}"] = "out of memory"
+                rows.append([name, "on" if ckpt else "off", spec["samples"], "out of memory", "", "", "", ""])
+                continue
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            results[f"{name} ckpt={ckpt}"] = result
+            rows.append([name, "on" if ckpt else "off", spec["samples"], f"{result['nfe_s'] * 1e3:.0f}",
+                         f"{spec['samples'] / (result['nfe_s'] * spec['steps']):.2f}", f"{result['step_s'] * 1e3:.0f}",
+                         f"{result['ratio']:.2f}", f"{result['memory_gb']:.1f}"])
+            print("|", " | ".join(str(c) for c in rows[-1]), "|", flush=True)  # a row survives a later timeout
     text = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else device}, {dtype}, random weights, LoRA r 32, "
             "K = 4; rollout images/s = batch / (one forward x the preset's sampling steps: 40 for SD3.5-M, 16 for "
             "FLUX).\n\n"
@@ -636,6 +812,20 @@ def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16) -> 
 # 6. The real-model path on real weights (GPU and hub): what the tests check at reduced depth on CPU
 
 REAL_MODELS = {"sd35m": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
+REDUCED = {"sd35m": "sd3.5-medium", "flux": "flux.1-dev"}  # preset -> models.REAL_CONFIGS name
+
+
+def reduced_checkpoints(root: Path) -> dict:
+    """Section 6 without the hub: each preset's pipeline at real width and reduced depth (models.reduced_pipeline,
+    random weights), saved under root."""
+    for preset, name in REDUCED.items():
+        models.reduced_pipeline(name).save_pretrained(root / name)
+    return {preset: root / name for preset, name in REDUCED.items()}
+
+
+def encode_on(model, texts: list[str], device) -> dict:
+    """Conditioning on `device`: encode() answers on the text encoders' device, the CPU when they are offloaded."""
+    return {k: v.to(device) for k, v in model.encode(texts).items()}
 
 
 def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: tuple = ()) -> tuple[str, dict]:
@@ -647,6 +837,7 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
     from torch.distributed.checkpoint import FileSystemReader
 
     device = device or torch.device("cuda")
+    models.avoid_cudnn_attention()  # as train.py does
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, results = [], {}
     for preset, model_id in model_ids.items():
@@ -660,13 +851,18 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
             model = train.load_pipeline(cfg, train.model_family(cfg.model), device, dtype)
             g = torch.Generator().manual_seed(0)
             noise = torch.randn(1, *model.latent_shape(), generator=g).to(device)
-            ours = vgrpo.sample_ode(model.velocity, noise, model.encode(["a red car on a street"]), model.timesteps())
+            ours = vgrpo.sample_ode(model.velocity, noise, encode_on(model, ["a red car on a street"], device),
+                                    model.timesteps())
+            model.pipe.to(device)  # the plain call encodes on the pipeline's device; load_pipeline offloads the encoders
             guidance = model.guidance if model.pipeline_class == "FluxPipeline" else 1.0
             theirs = model.pipe("a red car on a street", height=cfg.resolution, width=cfg.resolution, latents=noise.to(dtype),
                                 num_inference_steps=cfg.sampling_steps, guidance_scale=guidance,
                                 max_sequence_length=cfg.max_sequence_length, output_type="latent").images.float()
             rollout_diff = ((ours - theirs).norm() / theirs.norm()).item()
             subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args], check=True)
+            measured = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["peak_memory_gb"]
+            planned = (train.plan_memory(cfg, train.model_family(cfg.model), 1, torch.cuda.get_device_properties(device)
+                                         .total_memory / models.GiB)[0].peak if device.type == "cuda" else float("nan"))
             latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
             metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
             stored = sorted({str(v.properties.dtype) for k, v in metadata.items()
@@ -674,19 +870,27 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
             trained = train.load_trained(run_dir, device, dtype)
             t = torch.tensor([0.3, 0.8], device=device)
             z = torch.randn(2, *model.latent_shape(), generator=g).to(device)
-            cond = trained.encode(["a red car on a street", "a blue flower in a vase"])
-            model.pipe.load_lora_weights(run_dir / "final")
+            cond = encode_on(trained, ["a red car on a street", "a blue flower in a vase"], device)
             with torch.no_grad():
-                want, got = trained.velocity(z, t, cond), model.velocity(z, t, cond)
+                want, base = trained.velocity(z, t, cond), model.velocity(z, t, cond)
+                model.pipe.load_lora_weights(run_dir / "final")
+                got = model.velocity(z, t, cond)
             export_diff = ((want - got).abs().max() / want.abs().max()).item()
+            moved = ((want - base).abs().max() / want.abs().max()).item()  # what a missing or half-strength LoRA misses
             del model, trained
         results[preset] = dict(model=str(model_id), rollout_vs_pipe=rollout_diff, checkpoint_dtypes=stored,
-                               export_vs_trained=export_diff)
-        rows.append([preset, model_id, f"{rollout_diff:.2e}", ", ".join(stored), f"{export_diff:.2e}"])
+                               export_vs_trained=export_diff, trained_vs_base=moved, peak_gb=measured, planned_gb=planned)
+        rows.append([preset, Path(model_id).name, f"{rollout_diff:.2e}", ", ".join(stored), f"{export_diff:.2e}",
+                     f"{moved:.2e}", f"{measured:.2f}", f"{planned:.2f}"])
+        print("|", " | ".join(rows[-1]), "|", flush=True)  # a row survives a later timeout
     text = (f"{dtype} on {device}. Rollout: |euler on our grid - pipe()| / |pipe()| over the final latents "
             "(bf16 rounding differs: the pipeline keeps bf16 latents between steps, vgrpo.sample_ode float32). "
-            "Export: max |v(trained) - v(load_lora_weights)| / max |v(trained)|.\n\n"
-            + table(["preset", "model", "rollout vs pipe()", "checkpoint dtypes (LoRA, AdamW)", "export vs trained"], rows))
+            "Export: max |v(trained) - v(load_lora_weights)| / max |v(trained)|, against the same for the base model "
+            "(what the iteration moved). Peak: train.py's measured peak of "
+            "allocated memory in the iteration against the memory plan (--plan) of the same flags on one GPU (CUDA only; "
+            "on a CPU the peak is the process's resident memory, not comparable).\n\n"
+            + table(["preset", "model", "rollout vs pipe()", "checkpoint dtypes (LoRA, AdamW)", "export vs trained",
+                     "base vs trained", "peak GiB", "planned GiB"], rows))
     return text, results
 
 
@@ -696,8 +900,10 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="1,2,3,4,5,7",
-                        help="comma-separated section numbers (6: real checkpoints, 8: stability)")
+                        help="comma-separated section numbers (6: real checkpoints, 8 and 9: stability)")
     parser.add_argument("--out", default="results", help="output directory")
+    parser.add_argument("--reduced", action="store_true",
+                        help="section 6 on real-width, reduced-depth pipelines with random weights (no hub)")
     args = parser.parse_args()
     sections = {int(s) for s in args.sections.split(",")}
     out = Path(args.out)
@@ -712,8 +918,10 @@ def main() -> None:
         4: ("4. Overhead", section_overhead),
         7: ("7. Scale: the old-policy pass and FSDP2 rollout all-gathers", section_scale),
         8: ("8. Stability: learning rate against the gradient-step controls", lambda: section_stability(toy_model, out)),
+        9: ("9. Stability on the tiny SD3 pipeline: V-GRPO against Flow-GRPO", lambda: section_sd3_stability(out)),
         5: ("5. GPU throughput at the paper's model sizes", section_gpu),
-        6: ("6. The real-model path on real checkpoints", section_real_models),
+        6: ("6. The real-model path on real checkpoints", lambda: section_real_models(
+            reduced_checkpoints(Path(tempfile.mkdtemp())) if args.reduced else REAL_MODELS)),
     }
     for number in sorted(sections):
         title, job = jobs[number]

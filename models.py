@@ -27,6 +27,15 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
+def avoid_cudnn_attention() -> None:
+    """Process-wide: scaled_dot_product_attention may not pick cuDNN's fused attention. Its backward failed with an
+    illegal memory access at FLUX.1-dev's real size in bf16 on an H200 (torch 2.11, 2025 image + 512 text tokens, 1
+    and 2 samples, activation checkpointing on and off), where flash and memory-efficient attention ran (bench.py
+    section 5, results/gpu). Process-wide rather than around velocity(): activation checkpointing recomputes the
+    forward inside backward, outside any context a forward could set."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class FlowAdapter:
     """The contract between train.py and a pipeline family.
 

@@ -973,6 +973,7 @@ def initial_noise(cfg: Config, model: models.FlowAdapter, stream: str, iteration
 def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Prompt]) -> None:
     # ---------------- setup
     rank, world, device = setup_distributed()
+    models.avoid_cudnn_attention()
     master = rank == 0
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
