@@ -217,6 +217,12 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.
     return (-((x - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
 
 
+def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: float) -> torch.Tensor:
+    """Per-sample KL(N(mean, std^2 I) || N(ref_mean, std^2 I)), averaged over dimensions: Flow-GRPO's KL to the
+    reference at one step (both kernels share the step's std)."""
+    return ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * std**2)
+
+
 def sde_step(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float, x_next=None, generator=None):
     """One SDE step (sde_mean_std): draws x' unless given; returns x' and its log-density (gaussian_log_prob)."""
     mean, std = sde_mean_std(velocity, x, t, t_next, cond, noise_level=noise_level, t_cap=t_cap)
@@ -379,12 +385,12 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 
-def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_every: int) -> list[dict]:
+def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_every: int, flags=()) -> list[dict]:
     """train.py itself (tiny preset) on a saved pipeline; per iteration the eval reward where evaluated, and the model
     evaluations (forward + backward) and training seconds (evaluations excluded) so far."""
     subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), "--model", str(model_dir), "--seed",
                     str(seed), "--prompts", str(model_dir / "prompts.txt"), "--iterations", str(iterations),
-                    "--eval_every", str(eval_every), "--run_dir", str(run_dir)],
+                    "--eval_every", str(eval_every), "--run_dir", str(run_dir), *flags],
                    check=True, capture_output=True)
     cfg = json.loads((run_dir / "config.json").read_text())
     history, nfe, seconds = [], 0, 0.0
@@ -397,14 +403,14 @@ def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_e
 
 
 def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, steps: int = 10,
-                  noise_level: float = 0.7, clip_eps: float = 1e-4, kl_coef: float = 0.04) -> list[dict]:
+                  noise_level: float = 0.7, clip_eps: float = 1e-4, kl_coef: float = 0.04, flags=()) -> list[dict]:
     """Flow-GRPO (Liu et al. 2025, arXiv 2505.05470) on train.py's adapter, prompts, rewards, LoRA, optimizer, rollout
     noise and evaluation: SDE rollouts of `steps` steps (sde_step), each step an action with its own Gaussian log-prob
     and clipped ratio; group-standardised advantages clipped to [-5, 5], shared by the steps; the exact per-step KL
     between the policy's and the reference's Gaussian kernels, ||mu - mu_ref||^2 / (2 std^2) averaged over dimensions,
     the reference being the LoRA switched off; the first int(0.99 steps) steps trained (timestep fraction 0.99), one
-    optimizer step per rollout batch over all of them. History as vgrpo_sd3's."""
-    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed)])
+    optimizer step per rollout batch over all of them. History as vgrpo_sd3's; flags: train.py flags for both."""
+    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
     model = train.load_pipeline(cfg, "sd3", device, torch.float32)
@@ -444,7 +450,7 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
                 ref_mean, _ = kernel(x_t, t, t_next, cond)
             ratio = (gaussian_log_prob(x_next, mean, std) - old).exp()
             policy = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)).mean()
-            kl = ((mean - ref_mean) ** 2).flatten(1).mean(1).mean() / (2 * std**2)
+            kl = gaussian_kl(mean, ref_mean, std).mean()
             ((policy + kl_coef * kl) / trained).backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         optimizer.step()
@@ -472,7 +478,7 @@ def fall_back(history: list[dict]) -> float:
 
 
 def section_sd3_stability(out: Path, seeds=SEEDS, iterations: dict | None = None, eval_every: int = 5,
-                          fit_steps: int | None = None) -> tuple[str, dict]:
+                          fit_steps: int | None = None, flags=()) -> tuple[str, dict]:
     iterations = iterations or {"V-GRPO": 30, MDP: 50}
     root = Path(tempfile.mkdtemp())
     fit_steps = train.Config().tiny_fit_steps if fit_steps is None else fit_steps
@@ -480,8 +486,8 @@ def section_sd3_stability(out: Path, seeds=SEEDS, iterations: dict | None = None
     (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(models.TINY_PROMPTS) + "\n")  # train.py's built-in ones
     runs = {"V-GRPO": [], MDP: []}
     for seed in seeds:
-        runs["V-GRPO"].append(vgrpo_sd3(root / "tiny-sd3", root / f"run-{seed}", seed, iterations["V-GRPO"], eval_every))
-        runs[MDP].append(flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every))
+        runs["V-GRPO"].append(vgrpo_sd3(root / "tiny-sd3", root / f"run-{seed}", seed, iterations["V-GRPO"], eval_every, flags))
+        runs[MDP].append(flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every, flags=flags))
     rows, ratios = [], {}
     for threshold in SD3_THRESHOLDS:
         costs = {name: [threshold_cost(h, threshold) for h in hs] for name, hs in runs.items()}
@@ -909,7 +915,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    report, data = [f"# bench.py results ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, torch {torch.__version__})"], {}
+    report = earlier_sections(out / "results.md")  # a run of some sections keeps the others' figures
+    data = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
     toy_model = vgrpo.pretrain_toy_flow() if sections & {1, 2, 3, 8} else None
     jobs = {
         1: ("1. Surrogate statistics", lambda: section_surrogate(toy_model, tiny_model(fit_steps=250))),
@@ -923,17 +930,26 @@ def main() -> None:
         6: ("6. The real-model path on real checkpoints", lambda: section_real_models(
             reduced_checkpoints(Path(tempfile.mkdtemp())) if args.reduced else REAL_MODELS)),
     }
+    machine = f"{os.cpu_count()} CPU cores" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
     for number in sorted(sections):
         title, job = jobs[number]
         if number in (5, 6) and not torch.cuda.is_available():
-            report.append(f"## {title}\n\nSkipped: no CUDA device.")
+            print(f"## {title}: skipped, no CUDA device (results.md keeps an earlier run's figures)")
             continue
         start = time.perf_counter()
         text, data[title] = job()
-        report.append(f"## {title}\n\n{text}\n\n({time.perf_counter() - start:.0f} s)")
-        print(report[-1], flush=True)
-    (out / "results.md").write_text("\n\n".join(report) + "\n")
+        report[number] = (f"## {title}\n\n{text}\n\n({time.perf_counter() - start:.0f} s; {time.strftime('%Y-%m-%d')}, "
+                          f"{machine}, torch {torch.__version__})")
+        print(report[number], flush=True)
+    (out / "results.md").write_text("\n\n".join(["# bench.py results", *(report[n] for n in sorted(report))]) + "\n")
     (out / "results.json").write_text(json.dumps(data, indent=1, default=float))
+
+
+def earlier_sections(path: Path) -> dict[int, str]:
+    """The sections of an earlier results.md by number (each ends with its own date and machine)."""
+    if not path.is_file():
+        return {}
+    return {int(part.split(".")[0]): "## " + part.strip() for part in path.read_text().split("\n\n## ")[1:]}
 
 
 if __name__ == "__main__":

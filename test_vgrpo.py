@@ -2048,6 +2048,41 @@ def test_flow_grpo_baseline_step_log_prob_is_the_gaussian_density():
     torch.testing.assert_close(again, log_prob)
 
 
+def test_flow_grpo_kl_is_the_gaussian_kl_and_the_reference_is_the_model_without_its_lora():
+    g = torch.Generator().manual_seed(0)
+    mean, ref = torch.randn(4, 3, 2, generator=g), torch.randn(4, 3, 2, generator=g)
+    want = torch.distributions.kl_divergence(torch.distributions.Normal(mean, 0.3), torch.distributions.Normal(ref, 0.3))
+    torch.testing.assert_close(bench.gaussian_kl(mean, ref, 0.3), want.flatten(1).mean(1))
+    model = bench.tiny_model()
+    base_z, t, cond = torch.randn(2, *model.latent_shape(), generator=g), torch.tensor([0.3, 0.7]), model.encode(["a", "b"])
+    with torch.no_grad():
+        base = model.velocity(base_z, t, cond)
+        train.make_trainable(model.transformer, train.Config())
+        for n, p in model.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(generator=g)  # peft starts B at 0: move the policy away from the reference
+        policy = model.velocity(base_z, t, cond)
+        with bench.adapters_disabled(model.transformer):
+            reference = model.velocity(base_z, t, cond)
+        assert (policy - base).abs().max() > 1e-3
+        torch.testing.assert_close(reference, base)
+        torch.testing.assert_close(model.velocity(base_z, t, cond), policy)  # switched back on
+
+
+def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evaluation(tmp_path):
+    """Section 9's code path at 2 iterations, random tiny SD3: train.py and flow_grpo_sd3 start from the same weights
+    and evaluation (equal first evaluation up to one update), and each counts its own model evaluations per iteration:
+    64 samples x (8 ODE steps + K = 8 forwards and 8 backwards) against 64 x (10 SDE steps + 9 trained steps x
+    (forward, backward, reference forward))."""
+    text, data = bench.section_sd3_stability(tmp_path, seeds=(0,), iterations={"V-GRPO": 2, bench.MDP: 2}, eval_every=1,
+                                             fit_steps=0, flags=("--eval_samples", "8"))
+    ours, base = data["histories"]["V-GRPO"][0], data["histories"][bench.MDP][0]
+    assert [h["nfe"] for h in ours] == [64 * 24, 2 * 64 * 24] and [h["nfe"] for h in base] == [64 * 37, 2 * 64 * 37]
+    assert all(h["eval"] is not None and h["seconds"] > 0 for h in ours + base)
+    assert abs(ours[0]["eval"] - base[0]["eval"]) < 1e-3
+    assert text.count("\n| V-GRPO |") == len(bench.SD3_THRESHOLDS) and text.count(f"\n| {bench.MDP} |") == 2
+
+
 def test_stability_table_counts_success_only_before_a_divergence():
     def run(rewards, fracs):
         return [{"reward_mean": r, "frac_target_mode": f, "nfe_fwd": 100 * i, "nfe_bwd": 50 * i}
