@@ -26,6 +26,10 @@
 8. Stability on the 2-D toy: learning rate 1e-3 .. 3e-2 against each gradient-step control (x-space KL, one gradient
    step, K, the timestep range) and the MDP baseline: divergence rate, runs reaching success, iterations and model
    evaluations to it, and how far the reward falls back after its best (`--sections 8`, about 10 minutes).
+9. Stability on the tiny SD3 pipeline of the README (`--sections 9`, about 25 minutes on 2 cores): train.py
+   (V-GRPO at its defaults, at lr 3e-4, and with 2 gradient steps + x-space KL) against Flow-GRPO written for the
+   pipeline (SDE rollouts, per-step Gaussian log-probs and clipped ratios, KL to the reference), 5 seeds, the same
+   fixed evaluation: model evaluations and training time to an eval threshold, seeds reaching it, fall-back.
 
 Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
 The toy settings are vgrpo.ToyConfig's defaults, chosen in section 8 for stability and speed (lr 3e-3, x-space KL 0.3);
@@ -69,7 +73,8 @@ def table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
-def plot(path: Path, curves: dict[str, list[float]], *, title: str, ylabel: str) -> None:
+def plot(path: Path, curves: dict[str, list[float]], *, title: str, ylabel: str, every: int = 1) -> None:
+    """One line per curve; point i is iteration i * every."""
     try:
         import matplotlib
 
@@ -79,7 +84,7 @@ def plot(path: Path, curves: dict[str, list[float]], *, title: str, ylabel: str)
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, ys in curves.items():
-        ax.plot(range(len(ys)), ys, label=name)
+        ax.plot([i * every for i in range(len(ys))], ys, label=name)
     ax.set(title=title, xlabel="iteration", ylabel=ylabel)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -477,48 +482,63 @@ def fall_back(history: list[dict]) -> float:
     return evals[best] - min(evals[best:])
 
 
+# train.py flags of the V-GRPO rows: its defaults, a smaller step, and the toy's stabiliser (the x-space KL to the
+# behaviour policy acts from a batch's second gradient step on, so it comes with two).
+SD3_VARIANTS = {"V-GRPO": (), "V-GRPO, lr 3e-4": ("--lr", "3e-4"),
+                "V-GRPO, 2 gradient steps + KL 0.3": ("--num_grad_steps", "2", "--clip_eps", "0.01", "--kl_coef", "0.3")}
+
+
 def section_sd3_stability(out: Path, seeds=SEEDS, iterations: dict | None = None, eval_every: int = 5,
-                          fit_steps: int | None = None, flags=()) -> tuple[str, dict]:
-    iterations = iterations or {"V-GRPO": 30, MDP: 50}
+                          fit_steps: int | None = None, flags=(), variants: dict = SD3_VARIANTS) -> tuple[str, dict]:
+    iterations = {**{name: 30 for name in variants}, MDP: 50, **(iterations or {})}
     root = Path(tempfile.mkdtemp())
     fit_steps = train.Config().tiny_fit_steps if fit_steps is None else fit_steps
     models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
     (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(models.TINY_PROMPTS) + "\n")  # train.py's built-in ones
-    runs = {"V-GRPO": [], MDP: []}
-    for seed in seeds:
-        runs["V-GRPO"].append(vgrpo_sd3(root / "tiny-sd3", root / f"run-{seed}", seed, iterations["V-GRPO"], eval_every, flags))
-        runs[MDP].append(flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every, flags=flags))
+    runs = {name: [vgrpo_sd3(root / "tiny-sd3", root / f"{i}-{seed}", seed, iterations[name], eval_every,
+                             (*flags, *extra)) for seed in seeds] for i, (name, extra) in enumerate(variants.items())}
+    runs[MDP] = [flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every, flags=flags) for seed in seeds]
+    return sd3_stability_report(runs, out, seeds=seeds, iterations=iterations, eval_every=eval_every,
+                                fit_steps=fit_steps)
+
+
+def sd3_stability_report(runs: dict, out: Path, *, seeds, iterations: dict, eval_every: int,
+                         fit_steps: int) -> tuple[str, dict]:
+    """Section 9's table, summary and plot from the runs' histories ({method: [history per seed]})."""
     rows, ratios = [], {}
     for threshold in SD3_THRESHOLDS:
         costs = {name: [threshold_cost(h, threshold) for h in hs] for name, hs in runs.items()}
         for name, cs in costs.items():
             hit = [c for c in cs if c is not None]
+            falls = [fall_back(h) for h in runs[name]]
             rows.append([name, threshold, f"{len(hit)} of {len(cs)}",
                          *(f"{np.median([c[k] for c in hit]):.0f}" if hit else "-" for k in ("iterations", "nfe")),
                          f"{np.median([c['seconds'] for c in hit]):.0f}" if hit else "-",
-                         f"{np.median([fall_back(h) for h in runs[name]]):.3f}"])
-        pairs = [(a, b) for a, b in zip(costs["V-GRPO"], costs[MDP]) if a is not None and b is not None]
-        ratios[threshold] = {"NFE": [b["nfe"] / a["nfe"] for a, b in pairs],
-                             "seconds": [b["seconds"] / a["seconds"] for a, b in pairs]}
+                         f"{np.median(falls):.3f} / {max(falls):.3f}"])
+        for name in runs:
+            if name == MDP:
+                continue
+            pairs = [(a, b) for a, b in zip(costs[name], costs[MDP]) if a is not None and b is not None]
+            ratios[f"{name} @ {threshold:g}"] = {"NFE": [b["nfe"] / a["nfe"] for a, b in pairs],
+                                                 "seconds": [b["seconds"] / a["seconds"] for a, b in pairs]}
     curves = {name: [[h["eval"] for h in run if h["eval"] is not None] for run in hs] for name, hs in runs.items()}
-    plot(out / "sd3_stability.png", {n: np.mean(c, 0) for n, c in curves.items()},
-         title=f"tiny SD3, color reward: mean eval reward of {len(seeds)} seeds (every {eval_every} iterations)",
-         ylabel="eval reward")
+    plot(out / "sd3_stability.png", {n: np.mean(c, 0) for n, c in curves.items()}, every=eval_every,
+         title=f"tiny SD3, color reward: mean eval reward of {len(seeds)} seeds", ylabel="eval reward")
     summary = "\n".join(
-        f"At {t:g}, MDP / V-GRPO per seed where both reach it ({len(r['NFE'])} of {len(seeds)}): model evaluations "
-        + (f"x{mean_std(r['NFE'])}, training time x{mean_std(r['seconds'])}" if r["NFE"] else "not comparable")
-        for t, r in ratios.items())
+        f"- {key}: MDP / this, per seed where both reach it ({len(r['NFE'])} of {len(seeds)}): "
+        + (f"model evaluations x{mean_std(r['NFE'])}, training time x{mean_std(r['seconds'])}" if r["NFE"]
+           else "not comparable") for key, r in ratios.items())
+    v_grpo = ", ".join(f"{name} {iterations[name]}" for name in runs if name != MDP)
     text = (f"Tiny SD3 fitted to toy images (the README's setting, {fit_steps} fitting steps), color reward, 8 prompts x 8 "
-            f"samples per iteration, AdamW 1e-3, LoRA r 32 (train.py defaults); seeds {seeds[0]}-{seeds[-1]}. V-GRPO: train.py's tiny preset "
-            f"({iterations['V-GRPO']} iterations, 8 Euler ODE steps, K = 8). {MDP}: flow_grpo_sd3 ({iterations[MDP]} "
-            "iterations, 10 SDE steps of noise level 0.7, ratio clip 1e-4, KL 0.04 to the reference). Both evaluated by "
-            f"train.evaluate every {eval_every} iterations on 32 prompts x 4 fixed noises with the 8-step Euler ODE. NFE = "
-            "forward + backward model evaluations of training (rollouts included, evaluations not); seconds likewise; "
-            "fall-back = best eval minus the lowest eval after it, median over seeds.\n\n"
+            f"samples per iteration, AdamW 1e-3 unless named, LoRA r 32 (train.py defaults); seeds {seeds[0]}-{seeds[-1]}. "
+            f"V-GRPO: train.py's tiny preset (8 Euler ODE steps, K = 8; iterations: {v_grpo}). {MDP}: flow_grpo_sd3 "
+            f"({iterations[MDP]} iterations, 10 SDE steps of noise level 0.7, ratio clip 1e-4, KL 0.04 to the reference). "
+            f"All evaluated by train.evaluate every {eval_every} iterations on 32 prompts x 4 fixed noises with the 8-step "
+            "Euler ODE. NFE = forward + backward model evaluations of training (rollouts included, evaluations not); "
+            "seconds likewise; fall-back = best eval minus the lowest eval after it (median / largest over seeds).\n\n"
             + table(["method", "eval threshold", "seeds reaching it", "median iterations", "median NFE", "median seconds",
-                     "median fall-back"], rows) + "\n\n" + summary)
-    return text, {"ratios": {str(k): v for k, v in ratios.items()}, "curves": curves,
-                  "histories": {n: hs for n, hs in runs.items()}}
+                     "fall-back median / max"], rows) + "\n\n" + summary)
+    return text, {"ratios": ratios, "curves": curves, "histories": runs}
 
 
 # ----------------------------------------------------------------------------------------------
