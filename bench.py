@@ -482,10 +482,12 @@ def fall_back(history: list[dict]) -> float:
     return evals[best] - min(evals[best:])
 
 
-# train.py flags of the V-GRPO rows: its defaults, a smaller step, and the toy's stabiliser (the x-space KL to the
-# behaviour policy acts from a batch's second gradient step on, so it comes with two).
-SD3_VARIANTS = {"V-GRPO": (), "V-GRPO, lr 3e-4": ("--lr", "3e-4"),
-                "V-GRPO, 2 gradient steps + KL 0.3": ("--num_grad_steps", "2", "--clip_eps", "0.01", "--kl_coef", "0.3")}
+# train.py flags of the V-GRPO rows: the tiny preset (2 gradient steps per batch, ratio clip 0.01, x-space KL 0.3 to the
+# behaviour policy, which acts from a batch's second step on), one fully on-policy step (the former preset), and one
+# step at a smaller learning rate.
+ONE_STEP = ("--num_grad_steps", "1", "--clip_eps", "none", "--kl_coef", "0")
+SD3_VARIANTS = {"V-GRPO (tiny preset: 2 steps + KL 0.3)": (), "V-GRPO, 1 step": ONE_STEP,
+                "V-GRPO, 1 step, lr 3e-4": (*ONE_STEP, "--lr", "3e-4")}
 
 
 def section_sd3_stability(out: Path, seeds=SEEDS, iterations: dict | None = None, eval_every: int = 5,

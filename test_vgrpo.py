@@ -1178,8 +1178,11 @@ def test_reward_server_serves_others_while_a_client_stalls_and_refuses_oversized
 import shutil  # noqa: E402
 import signal  # noqa: E402
 
+# One gradient step per batch (the tiny preset takes 2): iteration 0 then measures the initial model itself, which the
+# 1-against-N-process comparisons rely on, and every step is taken at ratio 1.
 SMALL_RUN = ["--iterations", "2", "--num_prompts", "2", "--group_size", "4", "--micro_batch_size", "4",
-             "--sampling_steps", "4", "--eval_every", "1", "--eval_samples", "6", "--tiny_fit_steps", "0"]
+             "--sampling_steps", "4", "--eval_every", "1", "--eval_samples", "6", "--tiny_fit_steps", "0",
+             "--num_grad_steps", "1"]
 
 
 def run_train(*args, nproc=0, timeout=600):
@@ -1640,7 +1643,7 @@ def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(re
     the LoRA gathered from the shards loads into diffusers with the trained transformer's output."""
     run_train("--model", real_dirs / "flux.1-dev", "--prompts", real_dirs / "prompts.txt", "--run_dir", tmp_path,
               *REAL_SMALL_RUN, *BF16_TOKENS, "--num_prompts", "2", "--sampling_steps", "1", "--num_mc", "2",
-              "--micro_batch_size", "2", "--dtype", "bfloat16", "--lr", "1e-2", nproc=2)
+              "--micro_batch_size", "2", "--num_grad_steps", "1", "--dtype", "bfloat16", "--lr", "1e-2", nproc=2)
     metrics = read_metrics(tmp_path)[0]
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["skipped_steps"] == 0
     assert checkpoint_dtypes(tmp_path) == {("model", torch.float32), ("optim", torch.float32)}
@@ -1777,7 +1780,7 @@ def test_plan_cli_says_whether_it_fits_from_a_config_only_directory(real_dirs, t
     shutil.copytree(real_dirs / "sd3.5-medium", root, ignore=shutil.ignore_patterns("*.safetensors"))
     argv = ["--plan", "--model", str(root), "--resolution", "128", "--max_sequence_length", "16", "--rewards",
             "color", "--plan_world_size", "2", "--num_prompts", "2", "--group_size", "8", "--micro_batch_size", "8",
-            "--num_mc", "4"]
+            "--num_mc", "4", "--num_grad_steps", "1"]
 
     def plan(*extra):
         with pytest.raises(SystemExit) as exit_info:
@@ -1863,7 +1866,7 @@ BAD_INPUTS = [
     (["--prompts", "{tmp}/missing.txt"], "does not exist"),
     (["--prompts", "{tmp}/empty.txt"], "holds no prompts"),
     (["--prompts", "{tmp}/bad.jsonl"], "bad.jsonl:2: expected a JSON object with a string 'prompt' field"),
-    (["--group_size", "6", "--micro_batch_size", "5"], "must split into --num_grad_steps 1 mini-batches"),
+    (["--group_size", "6", "--micro_batch_size", "5"], "must split into --num_grad_steps 2 mini-batches"),
     (["--group_size", "1"], "at least 2 samples per prompt"),
     (["--rewards", "pickscor:1"], "unknown reward 'pickscor'"),
     (["--rewards", "color:nan"], "reward weight 'nan' for 'color' must be finite"),
@@ -2075,12 +2078,12 @@ def test_flow_grpo_kl_is_the_gaussian_kl_and_the_reference_is_the_model_without_
 def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evaluation(tmp_path):
     """Section 9's code path at 2 iterations, random tiny SD3: train.py and flow_grpo_sd3 start from the same weights
     and evaluation (equal first evaluation up to one update), and each counts its own model evaluations per iteration:
-    64 samples x (8 ODE steps + K = 8 forwards and 8 backwards) against 64 x (10 SDE steps + 9 trained steps x
-    (forward, backward, reference forward))."""
+    64 samples x (8 ODE steps + K = 8 forwards and 8 backwards + 4 old-policy forwards: the tiny preset's second
+    mini-batch) against 64 x (10 SDE steps + 9 trained steps x (forward, backward, reference forward))."""
     text, data = bench.section_sd3_stability(tmp_path, seeds=(0,), iterations={"V-GRPO": 2, bench.MDP: 2}, eval_every=1,
                                              fit_steps=0, flags=("--eval_samples", "8"), variants={"V-GRPO": ()})
     ours, base = data["histories"]["V-GRPO"][0], data["histories"][bench.MDP][0]
-    assert [h["nfe"] for h in ours] == [64 * 24, 2 * 64 * 24] and [h["nfe"] for h in base] == [64 * 37, 2 * 64 * 37]
+    assert [h["nfe"] for h in ours] == [64 * 28, 2 * 64 * 28] and [h["nfe"] for h in base] == [64 * 37, 2 * 64 * 37]
     assert all(h["eval"] is not None and h["seconds"] > 0 for h in ours + base)
     assert abs(ours[0]["eval"] - base[0]["eval"]) < 1e-3
     assert text.count("\n| V-GRPO |") == len(bench.SD3_THRESHOLDS) and text.count(f"\n| {bench.MDP} |") == 2
