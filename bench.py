@@ -319,7 +319,7 @@ def section_mdp(toy_model, out: Path) -> tuple[str, dict]:
 # 8. Stability: learning rate against the gradient-step controls, and the MDP baseline
 
 STABILITY_LRS = (1e-3, 3e-3, 1e-2, 3e-2)
-STABILITY_SEEDS = tuple(range(5))
+STABILITY_SEEDS = tuple(range(10))
 STABILITY_VARIANTS = {  # ToyConfig overrides; the first row is ToyConfig's defaults before this section existed
     "V-GRPO, no KL (clip 0.01 x 4 steps, soft clip 3)": dict(kl_coef=0.0),
     "+ x-space KL 0.3": dict(kl_coef=0.3),
