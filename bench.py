@@ -25,7 +25,7 @@
    differs from the first gradient pass; FSDP2 all-gathers of a rollout with and without train.gathered_once.
 8. Stability on the 2-D toy: learning rate 1e-3 .. 3e-2 against each gradient-step control (x-space KL, one gradient
    step, K, the timestep range) and the MDP baseline: divergence rate, runs reaching success, iterations and model
-   evaluations to it, and how far the reward falls back after its best (`--sections 8`, about 10 minutes).
+   evaluations to it, and how far the reward falls back after its best (`--sections 8`, 10 seeds: 6 minutes on 2 cores).
 9. Stability on the tiny SD3 pipeline of the README (`--sections 9`, about 25 minutes on 2 cores): train.py
    (V-GRPO at its defaults, at lr 3e-4, and with 2 gradient steps + x-space KL) against Flow-GRPO written for the
    pipeline (SDE rollouts, per-step Gaussian log-probs and clipped ratios, KL to the reference), 5 seeds, the same
