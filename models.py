@@ -20,7 +20,8 @@ import torch
 
 import rewards
 
-PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
+PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwenimage",
+                     "Flux2KleinPipeline": "flux2"}
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -45,15 +46,20 @@ class FlowAdapter:
     - latent_shape() -> shape of one sample's latent as the transformer sees it (packed for FLUX).
     - timesteps() -> (sampling_steps + 1,) sigma grid from 1 to 0: exactly the grid the pipeline's own
       __call__ uses at this resolution and step count, so Euler rollouts equal `pipe(...)`.
-    - decode(x) -> images (B, 3, H, W) in [0, 1].
+    - decode(x) -> images (B, 3, H, W) in [0, 1]; encode_images(images) -> x, its inverse through the VAE's
+      encoder (fits the tiny models).
+    - guided(velocity, uncond, scale) -> the rollout velocity under classifier-free guidance exactly as the pipeline
+      combines the two predictions; uncond = encode([negative_prompt]), the negative the pipeline's docs use.
     For the memory plan (no weights needed): text_tokens() (the length of cond["embeds"]), cond_like(), and
     reduced_depth(config): transformer config changes that keep every block type, the first block's type twice
     (the first block of a stack saves less than later ones of its type).
-    A new family is one subclass plus an entry in PIPELINE_FAMILIES and ADAPTERS.
+    A new family is one subclass plus an entry in PIPELINE_FAMILIES and ADAPTERS (and a tiny builder for its tests).
     """
 
     pipeline_class = ""
     block_lists = ("transformer_blocks",)  # the transformer's ModuleLists of blocks: FSDP units, planned per block
+    negative_prompt = ""
+    vae_frames = False  # the VAE takes video-shaped (B, C, frames, H, W) input (Qwen-Image's)
 
     def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, resolution: int, sampling_steps: int,
                  max_sequence_length: int, guidance: float = 3.5):
@@ -105,11 +111,41 @@ class FlowAdapter:
     def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """VAE latents -> the transformer's scale (SD3/FLUX.1: shift and scaling factor)."""
+        vae = self.pipe.vae
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        return latents / vae.config.scaling_factor + vae.config.shift_factor
+
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
-        latents = self.to_vae_latents(x) / vae.config.scaling_factor + vae.config.shift_factor
-        return (vae.decode(latents.to(vae.dtype), return_dict=False)[0].float() / 2 + 0.5).clamp(0, 1)
+        latents = self.denormalize(self.to_vae_latents(x)).to(vae.dtype)
+        if self.vae_frames:
+            latents = latents.unsqueeze(2)
+        images = vae.decode(latents, return_dict=False)[0].float()
+        return ((images[:, :, 0] if self.vae_frames else images) / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """images (B, 3, H, W) in [0, 1] -> x: the posterior mode, normalised and packed as the transformer sees it."""
+        vae = self.pipe.vae
+        pixels = (images * 2 - 1).to(vae.dtype)
+        latents = vae.encode(pixels.unsqueeze(2) if self.vae_frames else pixels).latent_dist.mode().float()
+        return self.from_vae_latents(self.normalize(latents[:, :, 0] if self.vae_frames else latents))
+
+    def guided(self, velocity, uncond: dict, scale: float):
+        """Classifier-free guidance v_u + scale (v_c - v_u), both predictions in one batched forward (SD3's way)."""
+
+        def v(z, t, cond):
+            both = {k: torch.cat([uncond[k].expand_as(cond[k]), cond[k]]) for k in cond}
+            v_u, v_c = velocity(torch.cat([z, z]), torch.cat([t, t]), both).chunk(2)
+            return v_u + scale * (v_c - v_u)
+
+        return v
 
 
 class SD3(FlowAdapter):
@@ -206,14 +242,180 @@ class Flux(FlowAdapter):
         return x.view(B, c, g, 2, g, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, c * 4)
 
 
-ADAPTERS = {"sd3": SD3, "flux": Flux}
+class QwenImage(FlowAdapter):
+    """QwenImagePipeline (Qwen-Image): the last hidden states of Qwen2.5-VL over the prompt in Qwen-Image's system
+    template (template tokens dropped; prompts of one batch padded to the longest, with a mask), latents packed in 2x2
+    patches as FLUX.1's (B, H/16 * W/16, 4C) from a video VAE (one frame) normalised per channel; timestep in [0, 1];
+    true CFG against a negative prompt, rescaled to the conditional prediction's norm."""
+
+    pipeline_class = "QwenImagePipeline"
+    negative_prompt = " "  # the model card's "recommended if you don't use a negative prompt"
+    vae_frames = True
+
+    @staticmethod
+    def reduced_depth(config) -> dict:
+        return {"num_layers": 2}  # one block type
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict:
+        embeds, mask = self.pipe.encode_prompt(texts, device=self.pipe.text_encoder.device,
+                                               max_sequence_length=self.max_sequence_length)
+        mask = torch.ones(embeds.shape[:2]) if mask is None else mask  # the pipeline drops an all-ones mask
+        return {"embeds": embeds.float(), "mask": mask.float().to(embeds.device)}
+
+    def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        mask = cond["mask"]
+        # As the pipeline: no mask where no row is padded (SDPA then runs unmasked kernels, as in pipe(...)).
+        mask = None if bool(mask.all()) else mask.bool()
+        side = self._side()
+        with autocast(z.device, self.dtype):
+            return self.transformer(hidden_states=z, timestep=t, encoder_hidden_states=cond["embeds"],
+                                    encoder_hidden_states_mask=mask, img_shapes=[[(1, side, side)]] * z.shape[0],
+                                    return_dict=False)[0].float()
+
+    def guided(self, velocity, uncond: dict, scale: float):
+        """QwenImagePipeline's true CFG: two forwards (the prompts' and the negative's lengths differ), combined,
+        then rescaled per token to the norm of the conditional prediction."""
+
+        def v(z, t, cond):
+            v_c = velocity(z, t, cond)
+            v_u = velocity(z, t, {k: u.expand(len(z), *u.shape[1:]) for k, u in uncond.items()})
+            combined = v_u + scale * (v_c - v_u)
+            return combined * (v_c.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+
+        return v
+
+    def cond_like(self, batch: int, device="cpu") -> dict:
+        tokens, width = self.text_tokens(), self.transformer.config.joint_attention_dim
+        return {"embeds": torch.zeros(batch, tokens, width, device=device), "mask": torch.ones(batch, tokens, device=device)}
+
+    def _side(self) -> int:
+        return self.resolution // self.pipe.vae_scale_factor // 2
+
+    def image_tokens(self) -> int:
+        return self._side() ** 2
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return self._side() ** 2, self.transformer.config.in_channels
+
+    def schedule_kwargs(self) -> dict:
+        # QwenImagePipeline.__call__: sigmas linspace(1, 1/N, N), mu from the image tokens (the scheduler then applies
+        # its exponential shift and shift_terminal).
+        n = self.sampling_steps
+        return {"sigmas": np.linspace(1.0, 1 / n, n), "mu": self.mu()}
+
+    to_vae_latents, from_vae_latents = Flux.to_vae_latents, Flux.from_vae_latents
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latents)
+        return (latents - mean) / std
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latents)
+        return latents * std + mean
+
+    def _stats(self, like: torch.Tensor):
+        config = self.pipe.vae.config
+        shape = (1, config.z_dim, 1, 1)
+        return (torch.tensor(config.latents_mean).view(shape).to(like), torch.tensor(config.latents_std).view(shape).to(like))
+
+
+class Flux2(FlowAdapter):
+    """Flux2KleinPipeline (FLUX.2 [klein] 4B / 9B and their base models): Qwen3 hidden states of layers 9, 18 and 27
+    side by side over the chat-templated prompt padded to max_sequence_length; latents of 2x2-patchified VAE channels
+    (B, H/16 * W/16, 4C) normalised by the VAE's batch-norm statistics; 4-D (t, h, w, l) position ids; no guidance
+    embedding; the base models take standard CFG against an empty prompt (the distilled ones none)."""
+
+    pipeline_class = "Flux2KleinPipeline"
+    block_lists = ("transformer_blocks", "single_transformer_blocks")
+    text_encoder_out_layers = (9, 18, 27)  # Flux2KleinPipeline's default
+
+    @staticmethod
+    def reduced_depth(config) -> dict:
+        return {"num_layers": 2, "num_single_layers": 1}
+
+    def text_layers(self) -> tuple[int, ...]:
+        """The pipeline's layers; a text encoder shallower than 27 layers (the offline test models, one layer at real
+        width) gives its last layer in place of the deeper ones. The real Qwen3-4B / 8B have 36."""
+        depth = self.pipe.text_encoder.config.num_hidden_layers
+        return tuple(min(k, depth) for k in self.text_encoder_out_layers)
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict:
+        embeds, _ = self.pipe.encode_prompt(texts, device=self.pipe.text_encoder.device,
+                                            max_sequence_length=self.max_sequence_length,
+                                            text_encoder_out_layers=self.text_layers())
+        return {"embeds": embeds.float()}
+
+    def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        side = self._side()
+        rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        zeros = torch.zeros_like(rows)
+        img_ids = torch.stack([zeros, rows, cols, zeros], dim=-1).view(-1, 4)  # (t, h, w, l) = (0, row, col, 0)
+        tokens = torch.arange(cond["embeds"].shape[1])
+        txt_ids = torch.stack([torch.zeros_like(tokens)] * 3 + [tokens], dim=-1)  # (0, 0, 0, token)
+        with autocast(z.device, self.dtype):
+            return self.transformer(hidden_states=z, timestep=t, guidance=None, encoder_hidden_states=cond["embeds"],
+                                    img_ids=img_ids.to(z.device), txt_ids=txt_ids.to(z.device),
+                                    return_dict=False)[0].float()
+
+    def cond_like(self, batch: int, device="cpu") -> dict:
+        width = self.transformer.config.joint_attention_dim
+        return {"embeds": torch.zeros(batch, self.text_tokens(), width, device=device)}
+
+    def _side(self) -> int:
+        return self.resolution // self.pipe.vae_scale_factor // 2
+
+    def image_tokens(self) -> int:
+        return self._side() ** 2
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return self._side() ** 2, self.transformer.config.in_channels
+
+    def schedule_kwargs(self) -> dict:
+        # Flux2KleinPipeline.__call__: sigmas linspace(1, 1/N, N) unless the scheduler makes its own, and mu from
+        # its empirical fit in the image tokens and the step count.
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+        n = self.sampling_steps
+        sigmas = None if self.pipe.scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
+        return {"sigmas": sigmas, "mu": compute_empirical_mu(image_seq_len=self.image_tokens(), num_steps=n)}
+
+    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, h*w, 4C) -> (B, 4C, h, w): tokens back on the grid (still 2x2-patchified; denormalize unpatchifies)."""
+        g = self._side()
+        return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], g, g)
+
+    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flatten(2).transpose(1, 2)
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, 2h, 2w) VAE latents -> (B, 4C, h, w), standardised by the VAE's batch-norm running statistics."""
+        from diffusers import Flux2KleinPipeline
+
+        mean, std = self._stats(latents)
+        return (Flux2KleinPipeline._patchify_latents(latents) - mean) / std
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        from diffusers import Flux2KleinPipeline
+
+        mean, std = self._stats(latents)
+        return Flux2KleinPipeline._unpatchify_latents(latents * std + mean)
+
+    def _stats(self, like: torch.Tensor):
+        vae = self.pipe.vae
+        std = torch.sqrt(vae.bn.running_var + vae.config.batch_norm_eps)
+        return vae.bn.running_mean.view(1, -1, 1, 1).to(like), std.view(1, -1, 1, 1).to(like)
+
+
+ADAPTERS = {"sd3": SD3, "flux": Flux, "qwenimage": QwenImage, "flux2": Flux2}
 
 
 # ----------------------------------------------------------------------------------------------
 # Tiny offline models: the real diffusers / transformers classes at toy sizes, random weights,
 # tokenizers built in memory. Used by the default run and by the tests.
 
-TINY_MODELS = {"tiny": "sd3", "tiny-flux": "flux"}
+TINY_MODELS = {"tiny": "sd3", "tiny-flux": "flux", "tiny-qwenimage": "qwenimage", "tiny-flux2": "flux2"}
 TINY_PROMPTS = [f"a {color} {thing}" for color in rewards.COLORS for thing in ("square", "circle", "car", "flower")]
 _TINY_WORDS = sorted({w for p in TINY_PROMPTS for w in p.split()} | {"photo", "of", "the"})
 
@@ -248,13 +450,72 @@ def tiny_t5_tokenizer():
     return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
+# The words of Qwen-Image's system template: as single tokens its prefix is the 34 tokens the pipeline drops, as in
+# the real tokenizer (QwenImagePipeline.prompt_template_encode_start_idx).
+_QWEN_TEMPLATE_WORDS = ("Describe the image by detailing color shape size texture quantity text spatial relationships of "
+                        "objects and background").split()
+# Qwen3's chat template for one user message (Flux2KleinPipeline: add_generation_prompt, enable_thinking=False).
+_QWEN3_CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+                        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+                        "{% if enable_thinking is defined and enable_thinking is false %}"
+                        "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}")
+
+
+def tiny_qwen_tokenizer():
+    """A byte-level BPE Qwen2 tokenizer (the class of Qwen2.5-VL's and Qwen3's) whose merges make each word of the
+    tiny prompts and of Qwen-Image's template one token, with the chat special tokens and Qwen3's chat template."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte = bytes_to_unicode()
+    vocab = {s: i for i, s in enumerate(byte.values())}
+    merges = []
+    words = {*_TINY_WORDS, *_QWEN_TEMPLATE_WORDS, "system", "user", "assistant"}
+    for word in sorted(words | {" " + w for w in words}):
+        pieces = [byte[b] for b in word.encode()]
+        while len(pieces) > 1:
+            merges.append((pieces[0], pieces[1]))
+            pieces = [pieces[0] + pieces[1]] + pieces[2:]
+            vocab.setdefault(pieces[0], len(vocab))
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=list(dict.fromkeys(merges)), unk_token=None, eos_token="<|im_end|>",
+                               pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]})
+    tokenizer.chat_template = _QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def qwen_text_encoder(family: str, *, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+                      kv_heads: int, head_dim: int, vision: dict | None = None, tokenizer=None):
+    """Qwen2.5-VL (Qwen-Image; its vision tower, never run on text, is built small unless given) or Qwen3 (FLUX.2
+    [klein]) of these sizes, random weights, eval mode; special-token ids from `tokenizer` when given."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+
+    ids = dict(bos_token_id=None, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id) if tokenizer else {}
+    text = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, **ids)
+    if family == "flux2":
+        return Qwen3ForCausalLM(Qwen3Config(**text, head_dim=head_dim, tie_word_embeddings=True)).eval()
+    half = head_dim // 2  # mrope splits each head's rotary frequencies over (time, height, width): 16/24/24 of 64
+    mrope = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]
+    vision = vision or dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, fullatt_block_indexes=[0])
+    rope = {"rope_type": "default", "mrope_section": mrope, "rope_theta": 1e6}
+    config = Qwen2_5_VLConfig(text_config={**text, "rope_parameters": rope}, vision_config={**vision, "out_hidden_size": hidden})
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
 def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
     """A StableDiffusion3Pipeline or FluxPipeline at toy sizes (32 px images, 16 x 16 x 4 latents),
-    random, or briefly fitted to toy images (fit_tiny_pipeline) when fit_steps > 0."""
+    random, or briefly fitted to toy images (fit_tiny_pipeline) when fit_steps > 0; QwenImagePipeline and
+    Flux2KleinPipeline likewise (tiny_qwen_pipeline)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextConfig, T5Config
 
     torch.manual_seed(seed)
+    if family in ("qwenimage", "flux2"):
+        pipe = tiny_qwen_pipeline(family)
+        if fit_steps:
+            fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed)
+        return pipe
     clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     clip = CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                           num_attention_heads=2, projection_dim=16, max_position_embeddings=16,
@@ -284,6 +545,49 @@ def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
     return pipe
 
 
+def tiny_qwen_pipeline(family: str):
+    """QwenImagePipeline or Flux2KleinPipeline at toy sizes: 32 px images, 16 x 16 x 4 VAE latents (8 x 8 tokens of
+    16 channels), a Qwen2.5-VL / Qwen3 text encoder of width 32 / 16 (Qwen3 27 layers deep, the least that has the
+    pipeline's layers 9, 18 and 27)."""
+    from diffusers import (AutoencoderKLFlux2, AutoencoderKLQwenImage, Flux2Transformer2DModel,
+                           FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel)
+
+    tokenizer = tiny_qwen_tokenizer()
+    if family == "qwenimage":
+        text = qwen_text_encoder(family, vocab=len(tokenizer), hidden=32, intermediate=64, layers=2, heads=2, kv_heads=1,
+                                 head_dim=16, tokenizer=tokenizer)
+        transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                                  axes_dims_rope=(4, 6, 6))
+        vae = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                     latents_mean=QWEN_LATENTS[0][:4], latents_std=QWEN_LATENTS[1][:4])
+        return assemble_qwen_pipeline(family, transformer, FlowMatchEulerDiscreteScheduler(**_QWEN_SCHEDULER), vae,
+                                      text, tokenizer)
+    text = qwen_text_encoder(family, vocab=len(tokenizer), hidden=16, intermediate=32, layers=27, heads=2, kv_heads=1,
+                             head_dim=8, tokenizer=tokenizer)
+    transformer = Flux2Transformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                                          timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16), down_block_types=("DownEncoderBlock2D",) * 2,
+                             up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, layers_per_block=1,
+                             norm_num_groups=4, mid_block_add_attention=False, use_quant_conv=False,
+                             use_post_quant_conv=False)
+    return assemble_qwen_pipeline(family, transformer, FlowMatchEulerDiscreteScheduler(**_FLUX_SCHEDULER), vae, text,
+                                  tokenizer)
+
+
+def assemble_qwen_pipeline(family: str, transformer, scheduler, vae, text_encoder, tokenizer):
+    """A QwenImagePipeline or a Flux2KleinPipeline (a base model: is_distilled False, so CFG applies) in eval mode."""
+    from diffusers import Flux2KleinPipeline, QwenImagePipeline
+
+    cls = QwenImagePipeline if family == "qwenimage" else Flux2KleinPipeline
+    pipe = cls(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
+
+
 def assemble_pipeline(family: str, transformer, scheduler, vae, *, clip_l, clip_g, t5, clip_tok, t5_tok):
     """A StableDiffusion3Pipeline (CLIP-L, CLIP-G, T5) or FluxPipeline (CLIP-L, T5) around the given parts, its text
     encoders built from the given transformers configs (random weights) in eval mode."""
@@ -307,7 +611,11 @@ def assemble_pipeline(family: str, transformer, scheduler, vae, *, clip_l, clip_
 # ----------------------------------------------------------------------------------------------
 # Real-width, reduced-depth models: the published architectures with fewer blocks. Sources: diffusers'
 # scripts/convert_sd3_to_diffusers.py and SD3Transformer2DModel defaults (SD3 family), Black Forest Labs' flux
-# src/flux/util.py (FLUX.1), Stability's sd3_infer.py (text encoders), each model's scheduler_config.json.
+# src/flux/util.py (FLUX.1), Stability's sd3_infer.py (text encoders), each model's scheduler_config.json; Qwen-Image:
+# Qwen/Qwen-Image's transformer/config.json, scheduler_config.json and text_encoder/config.json (Qwen2.5-VL-7B), its
+# VAE's = AutoencoderKLQwenImage's defaults; FLUX.2 [klein] 4B: black-forest-labs/FLUX.2-klein-4B's transformer/config.json
+# (the base-4B one is the same; diffusers' convert_flux2_to_diffusers.py "klein-4b"), text_encoder/config.json
+# (Qwen3-4B), its VAE's = AutoencoderKLFlux2's defaults.
 
 _SD3 = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
             num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
@@ -317,6 +625,17 @@ _FLUX = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, 
              axes_dims_rope=(16, 56, 56))
 _FLUX_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
                        max_image_seq_len=4096)
+_QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                   num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+_QWEN_SCHEDULER = dict(shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+                       max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+QWEN_LATENTS = ([-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508, 0.4134, -0.0715, 0.5517, -0.3632,
+                 -0.1922, -0.9497, 0.2503, -0.2921],
+                [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743, 3.2687, 2.1526, 2.8652, 1.5579, 1.6382,
+                 1.1253, 2.8251, 1.916])  # the Qwen-Image VAE's per-channel latent mean and std
+_FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                       num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+                       axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False)
 REAL_CONFIGS = {
     "sd3-medium": dict(family="sd3", transformer=_SD3, scheduler=dict(shift=3.0), vae=(1.5305, 0.0609)),
     "sd3.5-medium": dict(family="sd3", transformer={**_SD3, "pos_embed_max_size": 384,
@@ -328,7 +647,18 @@ REAL_CONFIGS = {
     "flux.1-dev": dict(family="flux", transformer=_FLUX, scheduler=_FLUX_SCHEDULER, vae=(0.3611, 0.1159)),
     "flux.1-schnell": dict(family="flux", transformer={**_FLUX, "guidance_embeds": False},
                            scheduler={**_FLUX_SCHEDULER, "shift": 1.0, "use_dynamic_shifting": False}, vae=(0.3611, 0.1159)),
+    "qwen-image": dict(family="qwenimage", transformer=_QWEN_IMAGE, scheduler=_QWEN_SCHEDULER,
+                       text=dict(vocab=152064, hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4, head_dim=128,
+                                 vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16,
+                                             fullatt_block_indexes=[7, 15, 23, 31]))),
+    # FLUX.2's scheduler_config is FLUX.1's; Flux2KleinPipeline computes mu itself, so of these only
+    # use_dynamic_shifting acts.
+    "flux.2-klein-4b": dict(family="flux2", transformer=_FLUX2_KLEIN_4B, scheduler=_FLUX_SCHEDULER,
+                            text=dict(vocab=151936, hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8,
+                                      head_dim=128)),
 }
+TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
+                       "qwenimage": "QwenImageTransformer2DModel", "flux2": "Flux2Transformer2DModel"}
 
 
 def reduced_pipeline(name: str, seed: int = 0):
@@ -337,12 +667,14 @@ def reduced_pipeline(name: str, seed: int = 0):
     1 double + 1 single block; CLIP-L, CLIP-G and T5-XXL at their real widths with one layer each (vocabularies
     and CLIP's padded length are the tiny tokenizers', which is no width); a VAE of 32 channels per block with the
     real 4 blocks (x8), 16 latent channels and real scaling/shift. Every block keeps its real shape and dtype
-    behaviour; only the number of blocks shrinks."""
+    behaviour; only the number of blocks shrinks. Qwen-Image and FLUX.2: reduced_qwen_pipeline."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import CLIPTextConfig, T5Config
 
     spec = REAL_CONFIGS[name]
     torch.manual_seed(seed)
+    if spec["family"] in ("qwenimage", "flux2"):
+        return reduced_qwen_pipeline(name)
     clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     ids = dict(bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id)
     clip_l = CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
@@ -364,18 +696,40 @@ def reduced_pipeline(name: str, seed: int = 0):
                              clip_l=clip_l, clip_g=clip_g, t5=t5, clip_tok=clip_tok, t5_tok=t5_tok)
 
 
-def reduced_transformer(name: str, full: bool = False):
-    """The transformer of REAL_CONFIGS[name] at real width, 2 blocks (SD3 family) or 1 + 1 (FLUX), random weights;
-    full: at its real depth (build it on the meta device)."""
-    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+def reduced_qwen_pipeline(name: str):
+    """Qwen-Image: 1 block, Qwen2.5-VL-7B's text width with one layer (vision tower 1 block at real width); FLUX.2
+    [klein]: 1 double + 1 single block, Qwen3-4B's width with one layer (Flux2.text_layers then reads layer 1 three
+    times: the same 3 x 2560 features). VAEs of the real depth and latent channels at 16 / 32 channels per block."""
+    from diffusers import AutoencoderKLFlux2, AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
 
     spec = REAL_CONFIGS[name]
+    tokenizer = tiny_qwen_tokenizer()
+    text = {**spec["text"], "vocab": len(tokenizer), "layers": 1}
+    if "vision" in text:
+        text["vision"] = {**text["vision"], "depth": 1, "fullatt_block_indexes": [0]}
+    encoder = qwen_text_encoder(spec["family"], **text, tokenizer=tokenizer)
+    if spec["family"] == "qwenimage":
+        vae = AutoencoderKLQwenImage(base_dim=16, num_res_blocks=1)  # real z_dim 16, x8, latent statistics
+    else:
+        vae = AutoencoderKLFlux2(block_out_channels=(32,) * 4, layers_per_block=1)  # real 32 latent channels, x8
+    return assemble_qwen_pipeline(spec["family"], reduced_transformer(name), FlowMatchEulerDiscreteScheduler(**spec["scheduler"]),
+                                  vae, encoder, tokenizer)
+
+
+def reduced_transformer(name: str, full: bool = False):
+    """The transformer of REAL_CONFIGS[name] at real width, 2 blocks (SD3 family), 1 + 1 (FLUX.1, FLUX.2) or 1
+    (Qwen-Image), random weights; full: at its real depth (build it on the meta device)."""
+    import diffusers
+
+    spec = REAL_CONFIGS[name]
+    cls = getattr(diffusers, TRANSFORMER_CLASSES[spec["family"]])
     if full:
-        return (SD3Transformer2DModel if spec["family"] == "sd3" else FluxTransformer2DModel)(**spec["transformer"])
+        return cls(**spec["transformer"])
     if spec["family"] == "sd3":
         dual = (0,) if spec["transformer"]["dual_attention_layers"] else ()
-        return SD3Transformer2DModel(**{**spec["transformer"], "num_layers": 2, "dual_attention_layers": dual})
-    return FluxTransformer2DModel(**{**spec["transformer"], "num_layers": 1, "num_single_layers": 1})
+        return cls(**{**spec["transformer"], "num_layers": 2, "dual_attention_layers": dual})
+    single = {"num_single_layers": 1} if "num_single_layers" in spec["transformer"] else {}
+    return cls(**{**spec["transformer"], "num_layers": 1, **single})
 
 
 def toy_images(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list[str]]:
@@ -406,20 +760,20 @@ def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size:
 
     g = torch.Generator().manual_seed(seed)
     vae, transformer = pipe.vae.train().requires_grad_(True), pipe.transformer.train().requires_grad_(True)
+    frames = adapter.vae_frames  # Qwen-Image's VAE codes (B, C, frames, H, W): one frame
     opt = torch.optim.Adam(vae.parameters(), lr=3e-3)
     for _ in range(steps):
         x = toy_images(batch_size // 2, g)[0] * 2 - 1
-        posterior = vae.encode(x).latent_dist
-        loss = F.mse_loss(vae.decode(posterior.sample(generator=g)).sample, x) + 1e-6 * posterior.kl().mean()
+        posterior = vae.encode(x.unsqueeze(2) if frames else x).latent_dist
+        decoded = vae.decode(posterior.sample(generator=g)).sample
+        loss = F.mse_loss(decoded[:, :, 0] if frames else decoded, x) + 1e-6 * posterior.kl().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
     vae.eval().requires_grad_(False)
     model = adapter(pipe, resolution=32, sampling_steps=1, max_sequence_length=8)
     images, captions = toy_images(512, g)
-    with torch.no_grad():
-        latents = (vae.encode(images * 2 - 1).latent_dist.mode() - vae.config.shift_factor) * vae.config.scaling_factor
-    data = model.from_vae_latents(latents)
+    data = model.encode_images(images)
     unique = sorted(set(captions))
     embedded = model.encode(unique)
     cond = {k: v[[unique.index(c) for c in captions]] for k, v in embedded.items()}
@@ -443,7 +797,9 @@ def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size:
 GiB = 2**30
 HUB_IDS = {"stabilityai/stable-diffusion-3-medium-diffusers": "sd3-medium",
            "stabilityai/stable-diffusion-3.5-medium": "sd3.5-medium", "stabilityai/stable-diffusion-3.5-large": "sd3.5-large",
-           "black-forest-labs/FLUX.1-dev": "flux.1-dev", "black-forest-labs/FLUX.1-schnell": "flux.1-schnell"}
+           "black-forest-labs/FLUX.1-dev": "flux.1-dev", "black-forest-labs/FLUX.1-schnell": "flux.1-schnell",
+           "Qwen/Qwen-Image": "qwen-image", "black-forest-labs/FLUX.2-klein-base-4B": "flux.2-klein-4b",
+           "black-forest-labs/FLUX.2-klein-4B": "flux.2-klein-4b"}
 # Full-size text encoders and VAE (../shared/REAL-CONFIGS.md: Stability's sd3_infer.py, the published configs).
 FULL_TEXT_ENCODERS = {
     "clip_l": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
@@ -474,6 +830,13 @@ def meta_components(model: str) -> tuple[str, dict]:
         pipe = tiny_pipeline(TINY_MODELS[model])
         return TINY_MODELS[model], {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
     with torch.device("meta"):
+        if model in HUB_IDS and REAL_CONFIGS[HUB_IDS[model]]["family"] in ("qwenimage", "flux2"):
+            from diffusers import AutoencoderKLFlux2, AutoencoderKLQwenImage
+
+            spec = REAL_CONFIGS[HUB_IDS[model]]
+            vae = AutoencoderKLQwenImage() if spec["family"] == "qwenimage" else AutoencoderKLFlux2()  # the real ones
+            return spec["family"], {"transformer": reduced_transformer(HUB_IDS[model], full=True), "vae": vae,
+                                    "text_encoder": qwen_text_encoder(spec["family"], **spec["text"])}
         if model in HUB_IDS:
             spec = REAL_CONFIGS[HUB_IDS[model]]
             transformer = reduced_transformer(HUB_IDS[model], full=True)

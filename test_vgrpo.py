@@ -1204,9 +1204,9 @@ def read_metrics(run_dir):
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
-    """Random tiny SD3 and FLUX pipelines saved with save_pretrained, and a jsonl prompt file."""
+    """Random tiny pipelines of every family saved with save_pretrained, and a jsonl prompt file."""
     root = tmp_path_factory.mktemp("pipelines")
-    for family in ("sd3", "flux"):
+    for family in models.ADAPTERS:
         models.tiny_pipeline(family, seed=0).save_pretrained(root / family)
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"a {c} {t}", "color": c})
                                                   for c in ("red", "green", "blue") for t in ("car", "flower")))
@@ -1232,22 +1232,39 @@ def adapter_for(pipe, family, dtype=torch.float32, **settings):
     return models.ADAPTERS[family](pipe, dtype, **settings)
 
 
+# Guidance as each pipeline applies it when called the plain way, and the scale our rollouts then use: SD3 without CFG
+# (the paper's rollouts), FLUX.1 through its distilled-guidance embedding (FlowAdapter.guidance), Qwen-Image with true
+# CFG against its recommended negative prompt " ", FLUX.2 [klein] base with CFG against "" (both at the pipelines'
+# default scale 4).
+PLAIN_GUIDANCE = {"sd3": (1.0, dict(guidance_scale=1.0)), "flux": (1.0, dict(guidance_scale=3.5)),
+                  "qwenimage": (4.0, dict(negative_prompt=" ", true_cfg_scale=4.0)), "flux2": (4.0, dict(guidance_scale=4.0))}
+
+
 def assert_rollouts_equal_the_plain_pipeline_call(pipe, family, *, resolution, steps, latent_atol=1e-5):
-    """Our encoding + velocity + Euler on our grid + decoding == `pipe(prompt, num_inference_steps=N)` called the
-    plain way (the pipeline's own default sigmas, shift and mu), from the same initial noise."""
+    """Our encoding + velocity (guided as the pipeline guides) + Euler on our grid + decoding == `pipe(prompt=...,
+    num_inference_steps=N)` called the plain way (the pipeline's own default sigmas, shift and mu), from the same
+    initial noise."""
     model = adapter_for(pipe, family, resolution=resolution, sampling_steps=steps)
     prompts = ["a red car", "a blue flower"]
     noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
-    x0 = vgrpo.sample_ode(model.velocity, noise, model.encode(prompts), model.timesteps())
-    guidance = 1.0 if family == "sd3" else model.guidance  # SD3: 1 = no CFG; FLUX: distilled guidance
-    call = partial(pipe, prompts, height=resolution, width=resolution, num_inference_steps=steps, latents=noise,
-                   max_sequence_length=8, guidance_scale=guidance)
-    torch.testing.assert_close(x0, call(output_type="latent").images, rtol=1e-5, atol=latent_atol)
+    scale, guidance = PLAIN_GUIDANCE[family]
+    velocity = model.velocity if scale == 1 else model.guided(model.velocity, model.encode([model.negative_prompt]), scale)
+    x0 = vgrpo.sample_ode(velocity, noise, model.encode(prompts), model.timesteps())
+    # FLUX.2's pipeline takes and returns latents on the VAE's grid (its noise unpacked, its output unnormalised). Its
+    # text layers (9, 18, 27) are given only for the one-layer encoder at real width (Flux2.text_layers); the tiny one
+    # is 27 deep, so there the call is the plain one.
+    flux2 = family == "flux2"
+    if flux2:
+        guidance = {**guidance, "text_encoder_out_layers": model.text_layers()}
+    call = partial(pipe, prompt=prompts, height=resolution, width=resolution, num_inference_steps=steps,
+                   latents=model.to_vae_latents(noise) if flux2 else noise, max_sequence_length=8, **guidance)
+    ours = model.denormalize(model.to_vae_latents(x0)) if flux2 else x0
+    torch.testing.assert_close(ours, call(output_type="latent").images, rtol=1e-5, atol=latent_atol)
     torch.testing.assert_close(model.decode(x0), call(output_type="pt").images, rtol=1e-4, atol=1e-4)
     return model
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", list(models.ADAPTERS))
 def test_adapters_reproduce_the_diffusers_pipeline(family):
     assert_rollouts_equal_the_plain_pipeline_call(models.tiny_pipeline(family, seed=0), family, resolution=32, steps=5)
 
@@ -1341,6 +1358,25 @@ def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dir
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert [m["iteration"] for m in resumed] == [0, 1, 2, 3]
     assert [m["prompt_indices"] for m in resumed] == [m["prompt_indices"] for m in straight]
+    for k, v in lora_weights(tmp_path / "straight").items():
+        torch.testing.assert_close(lora_weights(tmp_path / "resumed")[k], v, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("family", ["qwenimage", "flux2"])
+def test_new_family_trains_with_cfg_under_fsdp2_resumes_and_exports_exactly(family, tiny_dirs, tmp_path):
+    """Qwen-Image and FLUX.2 [klein] through train.py with their pipelines' CFG (the presets' rollouts): 2 processes
+    train the model 1 process trains, the LoRA gathered from the shards loads into diffusers with the trained output,
+    and a run resumed from iteration 1 continues exactly as a straight one."""
+    common = ["--model", tiny_dirs / family, "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN, "--cfg_scale", "4"]
+    run_train(*common, "--run_dir", tmp_path / "one")
+    run_train(*common, "--run_dir", tmp_path / "two", nproc=2)
+    assert_same_training(tmp_path / "one", tmp_path / "two")
+    assert_export_reproduces_training(tmp_path / "two", tiny_dirs / family, family, lora=True)
+    run_train(*common, "--run_dir", tmp_path / "straight", "--iterations", "3")
+    shutil.copytree(tmp_path / "one", tmp_path / "resumed")  # checkpoint at iteration 1
+    assert "resuming at iteration 2" in run_train("--resume", tmp_path / "resumed", "--iterations", "3").stdout
+    assert [m["prompt_indices"] for m in read_metrics(tmp_path / "resumed")] == [
+        m["prompt_indices"] for m in read_metrics(tmp_path / "straight")]
     for k, v in lora_weights(tmp_path / "straight").items():
         torch.testing.assert_close(lora_weights(tmp_path / "resumed")[k], v, rtol=1e-6, atol=1e-8)
 
@@ -1520,11 +1556,15 @@ REAL_SMALL_RUN = ["--resolution", "64", "--max_sequence_length", "8", "--rewards
                   "--eval_every", "0", "--tiny_fit_steps", "0"]
 
 
+SAVED_REAL = {"sd3": "sd3.5-medium", "flux": "flux.1-dev", "qwenimage": "qwen-image", "flux2": "flux.2-klein-4b"}
+
+
 @pytest.fixture(scope="module")
 def real_dirs(tmp_path_factory):
-    """SD3.5-Medium and FLUX.1-dev at real width (2 blocks; 1 double + 1 single), saved with save_pretrained."""
+    """One member of each family at real width, saved with save_pretrained: SD3.5-Medium (2 blocks), FLUX.1-dev and
+    FLUX.2 [klein] 4B (1 double + 1 single block), Qwen-Image (1 block)."""
     root = tmp_path_factory.mktemp("real")
-    for name in ("sd3.5-medium", "flux.1-dev"):
+    for name in SAVED_REAL.values():
         models.reduced_pipeline(name).save_pretrained(root / name)
     (root / "prompts.txt").write_text("a red car\na blue flower\n")
     return root
@@ -1537,13 +1577,13 @@ def real_pipes(real_dirs):
     scheduler."""
     from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
-    loaded = {name: DiffusionPipeline.from_pretrained(real_dirs / name) for name in ("sd3.5-medium", "flux.1-dev")}
+    loaded = {name: DiffusionPipeline.from_pretrained(real_dirs / name) for name in SAVED_REAL.values()}
 
     def get(name):
         if name in loaded:
             return loaded[name]
         spec = models.REAL_CONFIGS[name]
-        base = loaded["sd3.5-medium" if spec["family"] == "sd3" else "flux.1-dev"]
+        base = loaded[SAVED_REAL[spec["family"]]]
         return type(base)(**{**base.components, "transformer": models.reduced_transformer(name).eval(),
                              "scheduler": FlowMatchEulerDiscreteScheduler(**spec["scheduler"])})
 
@@ -1552,7 +1592,8 @@ def real_pipes(real_dirs):
 
 # The pipelines' own __call__ grids at the step counts their model cards use: the last sigma before 0.
 GRID_ANCHORS = {"sd3-medium": (40, 1024, 0.0089), "sd3.5-medium": (40, 512, 0.0089), "sd3.5-large": (40, 1024, 0.0089),
-                "flux.1-dev": (16, 720, None), "flux.1-schnell": (4, 1024, 0.25)}
+                "flux.1-dev": (16, 720, None), "flux.1-schnell": (4, 1024, 0.25), "qwen-image": (50, 1328, 0.02),
+                "flux.2-klein-4b": (50, 1024, None)}
 
 
 @pytest.mark.parametrize("name", list(models.REAL_CONFIGS))
@@ -1569,8 +1610,9 @@ def test_real_width_rollouts_and_grids_equal_the_plain_pipeline_call(name, real_
     steps, resolution, last = GRID_ANCHORS[name]
     # The pipeline's grid at full resolution, without paying for the transformer: a zero velocity leaves the grid as is.
     monkeypatch.setattr(pipe.transformer, "forward", lambda hidden_states, **_: (torch.zeros_like(hidden_states),))
-    pipe("a red car", height=resolution, width=resolution, num_inference_steps=steps, max_sequence_length=8,
-         guidance_scale=1.0, output_type="latent")
+    layers = {"text_encoder_out_layers": model.text_layers()} if family == "flux2" else {}
+    pipe(prompt="a red car", height=resolution, width=resolution, num_inference_steps=steps, max_sequence_length=8,
+         guidance_scale=1.0, output_type="latent", **layers)
     ours = adapter_for(pipe, family, resolution=resolution, sampling_steps=steps).timesteps()
     assert torch.equal(ours, pipe.scheduler.sigmas.cpu()) and ours[0] == 1 and ours[-1] == 0 and len(ours) == steps + 1
     if last is not None:
@@ -1601,17 +1643,19 @@ def assert_export_reproduces_training(run_dir, base_dir, family, *, lora):
 @pytest.mark.parametrize("preset,name,extra", [
     ("sd35m", "sd3.5-medium", ["--micro_batch_size", "2"]),
     ("flux", "flux.1-dev", ["--micro_batch_size", "1"]),  # 2 gradient steps on 2 samples
+    ("qwenimage", "qwen-image", ["--micro_batch_size", "2"]),  # true CFG rollouts
+    ("flux2", "flux.2-klein-4b", ["--micro_batch_size", "1"]),  # CFG, 2 gradient steps, LoRA r 64
 ])
 def test_preset_iteration_at_real_width_exports_a_lora_that_diffusers_loads_exactly(preset, name, extra, real_dirs,
                                                                                     tmp_path):
-    """One iteration of each paper preset (LoRA r 32, alpha 64: scale 2) at a small batch; the exported LoRA
+    """One iteration of each preset (LoRA alpha = 2 x rank: scale 2) at a small batch; the exported LoRA
     loaded with pipe.load_lora_weights reproduces the trained transformer (it loaded at half strength before)."""
     run_train("--preset", preset, "--model", real_dirs / name, "--prompts", real_dirs / "prompts.txt",
               "--run_dir", tmp_path, "--lr", "1e-2", *REAL_SMALL_RUN, *extra)
     metrics = read_metrics(tmp_path)[0]
     assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "reward_mean")) and metrics["skipped_steps"] == 0
     config = json.loads((tmp_path / "config.json").read_text())
-    assert (config["lora_rank"], config["lora_alpha"]) == (32, 64)
+    assert (config["lora_rank"], config["lora_alpha"]) == (train.PRESETS[preset]["lora_rank"], train.PRESETS[preset]["lora_alpha"])
     assert_export_reproduces_training(tmp_path, real_dirs / name, models.REAL_CONFIGS[name]["family"], lora=True)
 
 
@@ -1798,7 +1842,7 @@ def test_plan_cli_says_whether_it_fits_from_a_config_only_directory(real_dirs, t
     assert plan(*tight, *shlex.split(advice.group(1)))[0] == 0  # the advice is a configuration that fits
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", list(models.ADAPTERS))
 def test_cond_like_is_shaped_like_encode(family):
     """The plan runs the transformer on cond_like(); it must be what encode() gives the transformer in training."""
     model = adapter_for(models.tiny_pipeline(family), family)
@@ -1873,7 +1917,7 @@ BAD_INPUTS = [
     (["--reward_options", '{"pickscore": {}}'], "must map names from --rewards"),
     (["--solver", "rk4"], "--solver 'rk4' is not one of"),
     (["--resume", "{tmp}"], "no config.json there"),
-    (["--model", "tiny-flux", "--cfg_scale", "4"], "SD3 only"),
+    (["--model", "tiny-flux", "--cfg_scale", "4"], "does not apply to FLUX.1"),
     (["--hsdp", "3"], "--hsdp 3 must be 0 (auto), 1 (plain FSDP) or a divisor of the world size 1"),
     (["--prompts", "{tmp}/binary.txt"], "binary.txt is not UTF-8 text (byte 0)"),
     (["--prompts", "{tmp}/prompts.json"], ".json is not read; write one JSON object per line as .jsonl"),

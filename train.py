@@ -65,14 +65,15 @@ def arg(default, help: str):
 @dataclass
 class Config:
     # --- model and data
-    preset: str = arg("tiny", "tiny | sd35m | flux: paper settings applied before the other flags")
-    model: str = arg("tiny", "diffusers pipeline dir or hub id (SD3/SD3.5 or FLUX.1); tiny | tiny-flux build a random tiny one")
+    preset: str = arg("tiny", "tiny | sd35m | flux | qwenimage | flux2: settings applied before the other flags")
+    model: str = arg("tiny", "diffusers pipeline dir or hub id (SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein]); tiny | "
+                             "tiny-flux | tiny-qwenimage | tiny-flux2 build a tiny one offline")
     prompts: str = arg("", "training prompts: .txt (one per line) or .jsonl ({'prompt': ..., metadata}); tiny models have built-ins")
     eval_prompts: str = arg("", "fixed evaluation prompts, same formats; default: the first eval_samples training prompts")
     eval_samples: int = arg(32, "evaluation samples: the eval prompts in order, cycled (each repeat with its own fixed "
                                 "noise) to this many")
     resolution: int = arg(32, "image height and width in pixels")
-    max_sequence_length: int = arg(8, "T5 tokens per prompt")
+    max_sequence_length: int = arg(8, "text tokens per prompt (T5's; Qwen-Image: at most, after its template)")
     tiny_fit_steps: int = arg(250, "tiny models only: steps fitting them to toy images before RL (0 = random weights)")
     # --- rewards
     rewards: str = arg("color", "name:weight,... from rewards.REWARDS, e.g. hpsv21:1,pickscore:1,clipscore:1")
@@ -81,7 +82,8 @@ class Config:
     # --- rollouts
     sampling_steps: int = arg(8, "ODE steps per rollout")
     solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step)")
-    cfg_scale: float = arg(1.0, "SD3 classifier-free guidance for rollouts only; 1 = off, as in the paper")
+    cfg_scale: float = arg(1.0, "classifier-free guidance for rollouts only, combined as the model's pipeline does (SD3, "
+                                "Qwen-Image: true CFG with norm rescale, FLUX.2 [klein] base); 1 = off, as in the paper")
     flux_guidance: float = arg(3.5, "FLUX.1-dev distilled-guidance embedding value (unused by models without one, e.g. schnell)")
     # --- V-GRPO (names as in vgrpo.py)
     num_prompts: int = arg(8, "prompts (groups) per iteration, global")
@@ -153,6 +155,20 @@ PRESETS = {
                  solver="ab2", num_mc=4, num_grad_steps=2, clip_eps=0.01, soft_clip_eta=3.0, lr=1e-4,
                  lora_rank=32, lora_alpha=64, iterations=300, micro_batch_size=2, rollout_batch_size=12,
                  grad_checkpointing=True),
+    # Qwen-Image with Flow-GRPO's published setting (config/grpo.py, pickscore_qwenimage_8gpu): 512 px, 10 ODE steps,
+    # true CFG 4, 16 images per prompt, 32 prompts per epoch, PickScore, LoRA, activation checkpointing; lr and
+    # LoRA rank as this project's SD3.5 preset (Flow-GRPO's defaults). V-GRPO's own settings as the sd35m preset.
+    "qwenimage": dict(model="Qwen/Qwen-Image", resolution=512, max_sequence_length=256, rewards="pickscore:1",
+                      num_prompts=32, group_size=16, sampling_steps=10, cfg_scale=4.0, solver="euler", num_mc=4,
+                      num_grad_steps=1, soft_clip_eta=3.0, clip_eps=None, lr=3e-4, lora_rank=32, lora_alpha=64,
+                      iterations=150, micro_batch_size=2, rollout_batch_size=16, grad_checkpointing=True),
+    # FLUX.2 [klein] base 4B with Flow-Factory's published GRPO LoRA setting (examples/grpo/lora/flux2_klein_base/
+    # default.yaml): 384 px, 8 steps, CFG 4, group 16, 48 prompts per epoch, 2 gradient steps per epoch, LoRA r 64 /
+    # alpha 128, lr 3e-4, weight decay 1e-4, PickScore. The base model: the distilled 4B ignores CFG.
+    "flux2": dict(model="black-forest-labs/FLUX.2-klein-base-4B", resolution=384, max_sequence_length=512,
+                  rewards="pickscore:1", num_prompts=48, group_size=16, sampling_steps=8, cfg_scale=4.0, solver="euler",
+                  num_mc=4, num_grad_steps=2, clip_eps=0.01, soft_clip_eta=3.0, lr=3e-4, weight_decay=1e-4,
+                  lora_rank=64, lora_alpha=128, iterations=300, micro_batch_size=4, rollout_batch_size=16),
 }
 
 
@@ -297,7 +313,7 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there yet (checkpoints/latest is missing)")
     family = model_family(cfg.model)
     if family == "flux" and cfg.cfg_scale != 1.0:
-        raise ConfigError("--cfg_scale applies to SD3 only; FLUX.1-dev uses --flux_guidance")
+        raise ConfigError("--cfg_scale does not apply to FLUX.1 (guidance-distilled); FLUX.1-dev uses --flux_guidance")
     if not cfg.prompts and cfg.model not in models.TINY_MODELS and not cfg.plan:
         raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
     return family
@@ -625,17 +641,6 @@ def hsdp_replicas(cfg_hsdp: int, world: int) -> int:
     return world // per_node if world > per_node else 1
 
 
-def guided(velocity, uncond: dict, scale: float):
-    """Classifier-free guidance for rollouts: v_u + scale (v_c - v_u), one batched forward."""
-
-    def v(z, t, cond):
-        both = {k: torch.cat([uncond[k].expand_as(cond[k]), cond[k]]) for k in cond}
-        v_u, v_c = velocity(torch.cat([z, z]), torch.cat([t, t]), both).chunk(2)
-        return v_u + scale * (v_c - v_u)
-
-    return v
-
-
 # ----------------------------------------------------------------------------------------------
 # Distributed helpers
 
@@ -707,6 +712,7 @@ def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank:
 
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp-{iteration:06d}", root / f"iter-{iteration:06d}"
+    add_unstepped_state(optimizer)
     model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
     torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
@@ -723,6 +729,18 @@ def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank:
             if old != final:
                 shutil.rmtree(old)
     barrier()
+
+
+def add_unstepped_state(optimizer: torch.optim.AdamW) -> None:
+    """AdamW keeps no state for a parameter that never had a gradient: one whose output nothing reads, as LoRA on
+    Qwen-Image's last text-stream output projection (the image tokens alone leave the last block). Loading expects a
+    state for every trainable parameter (torch.distributed.checkpoint initialises them all), so such a parameter gets
+    the state AdamW itself would create at its first step: step 0, zero moments. That changes no update."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not optimizer.state[p]:
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
 
 
 MANIFEST = "manifest.json"
@@ -1018,8 +1036,9 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     P_local = P // world
     groups = range(rank * P_local, (rank + 1) * P_local)  # this rank's groups, in global numbering
     rollout_velocity = model.velocity
-    if cfg.cfg_scale != 1.0:
-        rollout_velocity = guided(model.velocity, encode(model, [""], device, cfg.offload_text_encoders), cfg.cfg_scale)
+    if cfg.cfg_scale != 1.0:  # combined as the family's pipeline combines them, against its negative prompt
+        uncond = encode(model, [model.negative_prompt], device, cfg.offload_text_encoders)
+        rollout_velocity = model.guided(model.velocity, uncond, cfg.cfg_scale)
     # One surrogate function for theta_old and theta: same parameterisation, same weighting.
     surrogate = partial(vgrpo.elbo_surrogate, model.velocity, param=cfg.param, self_normalize=cfg.self_normalize,
                         chunk_size=cfg.micro_batch_size * K)
