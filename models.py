@@ -51,8 +51,9 @@ class FlowAdapter:
     - guided(velocity, uncond, scale) -> the rollout velocity under classifier-free guidance exactly as the pipeline
       combines the two predictions; uncond = encode([negative_prompt]), the negative the pipeline's docs use.
     For the memory plan (no weights needed): text_tokens() (the length of cond["embeds"]), cond_like(), and
-    reduced_depth(config): transformer config changes that keep every block type, the first block's type twice
-    (the first block of a stack saves less than later ones of its type).
+    reduced_depth(config): transformer config changes that keep every block type, and each stack's first block's type
+    twice where that first block saves a different amount than later ones of its type (with LoRA the model's first
+    block saves less; FLUX.2's first single block more).
     A new family is one subclass plus an entry in PIPELINE_FAMILIES and ADAPTERS (and a tiny builder for its tests).
     """
 
@@ -91,6 +92,11 @@ class FlowAdapter:
     @staticmethod
     def reduced_depth(config) -> dict:
         raise NotImplementedError
+
+    @staticmethod
+    def vae_scale(vae) -> int:
+        """Pixels per latent cell, as the pipelines compute their vae_scale_factor."""
+        return 2 ** (len(vae.config.block_out_channels) - 1)
 
     def image_tokens(self) -> int:
         """Transformer tokens of one image: what dynamic shifting's mu depends on."""
@@ -256,6 +262,10 @@ class QwenImage(FlowAdapter):
     def reduced_depth(config) -> dict:
         return {"num_layers": 2}  # one block type
 
+    @staticmethod
+    def vae_scale(vae) -> int:
+        return 2 ** len(vae.config.temperal_downsample)
+
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict:
         embeds, mask = self.pipe.encode_prompt(texts, device=self.pipe.text_encoder.device,
@@ -332,7 +342,7 @@ class Flux2(FlowAdapter):
 
     @staticmethod
     def reduced_depth(config) -> dict:
-        return {"num_layers": 2, "num_single_layers": 1}
+        return {"num_layers": 2, "num_single_layers": 2}
 
     def text_layers(self) -> tuple[int, ...]:
         """The pipeline's layers; a text encoder shallower than 27 layers (the offline test models, one layer at real
@@ -800,6 +810,7 @@ HUB_IDS = {"stabilityai/stable-diffusion-3-medium-diffusers": "sd3-medium",
            "black-forest-labs/FLUX.1-dev": "flux.1-dev", "black-forest-labs/FLUX.1-schnell": "flux.1-schnell",
            "Qwen/Qwen-Image": "qwen-image", "black-forest-labs/FLUX.2-klein-base-4B": "flux.2-klein-4b",
            "black-forest-labs/FLUX.2-klein-4B": "flux.2-klein-4b"}
+DISTILLED_HUB_IDS = {"black-forest-labs/FLUX.2-klein-4B"}  # is_distilled in its model_index.json: no CFG
 # Full-size text encoders and VAE (../shared/REAL-CONFIGS.md: Stability's sd3_infer.py, the published configs).
 FULL_TEXT_ENCODERS = {
     "clip_l": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
@@ -866,13 +877,18 @@ def meta_components(model: str) -> tuple[str, dict]:
 def stored_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of parameters and buffers once loaded in `dtype` the way from_pretrained loads them: floating tensors
     in dtype except the modules a model keeps in float32 (transformers: _keep_in_fp32_modules_strict always,
-    _keep_in_fp32_modules only for float16; so T5's wo is bfloat16 in a bfloat16 load)."""
+    _keep_in_fp32_modules only for float16; so T5's wo is bfloat16 in a bfloat16 load). A transformers model's
+    non-persistent buffers keep the dtype they were built in: from_pretrained never casts them (Qwen's rotary
+    inv_freq stays float32)."""
     keep = list(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
     if dtype == torch.float16:
         keep += list(getattr(module, "_keep_in_fp32_modules", None) or [])
+    as_built = set()
+    if type(module).__module__.startswith("transformers."):
+        as_built = {f"{prefix}.{b}".lstrip(".") for prefix, m in module.named_modules() for b in m._non_persistent_buffers_set}
     total = 0
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if not t.is_floating_point():
+        if not t.is_floating_point() or name in as_built:
             total += t.numel() * t.element_size()
         elif any(f".{k}." in f".{name}" for k in keep):
             total += t.numel() * 4
@@ -933,13 +949,18 @@ def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prep
     keeps]}. Measured on the CPU on its real-width twin (adapter.reduced_depth: every block type, the first type
     twice) with `prepare` (LoRA, fp32 master weights) and the adapter's own autocast, at 1 and 2 rows.
 
-    The first block differs from later blocks of its type: with LoRA its input does not require grad yet, so it
-    saves less (seen: 8.2 vs 9.4 MB per row). Part of what is saved does not grow with the batch (autocast's bf16
+    The first block of a stack differs from later blocks of its type: with LoRA the model's first block's input does
+    not require grad yet, so it saves less (seen: 8.2 vs 9.4 MB per row); FLUX.2's first single block saves 18 kB
+    per row more than the later ones. Part of what is saved does not grow with the batch (autocast's bf16
     copies of the fp32 LoRA weights), hence the pairs."""
     import types
 
     config = dict(transformer_meta.config)
-    with torch.device("meta"):
+    # Parameters on the meta device (materialize fills them), everything else real: Qwen-Image keeps its rotary
+    # tables as plain tensors computed at construction, which the meta device would leave without data.
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
         twin = type(transformer_meta).from_config({**config, **adapter.reduced_depth(config)})
     twin = materialize(twin, dtype)
     prepare(twin)
@@ -957,8 +978,13 @@ def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prep
         one, two = get(runs[0]), get(runs[1])
         return 2 * one - two, two - one
 
-    later = {block_signature(b): i for i, b in enumerate(twin_blocks) if i > 0}
-    index = [0] + [later[block_signature(b)] for b in blocks_of(transformer_meta, adapter)[1:]]
+    # Each stack's first block stands for itself; a later one for the twin's last block of its type in that stack.
+    index, offset = [], 0
+    for name in adapter.block_lists:
+        twin_stack, full_stack = getattr(twin, name, []), getattr(transformer_meta, name, [])
+        later = {block_signature(b): offset + j for j, b in enumerate(twin_stack)}
+        index += [offset] * bool(len(full_stack)) + [later[block_signature(b)] for b in list(full_stack)[1:]]
+        offset += len(twin_stack)
     return {"other": pair(lambda r: r.other), "blocks": [pair(lambda r, i=i: r.per_block[i]) for i in index],
             "inputs": [pair(lambda r, i=i: r.inputs[i]) for i in index]}
 
@@ -1054,18 +1080,22 @@ def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: i
     return MemoryPlan(rows, phases, gpu_gb)
 
 
-def decode_intermediates(vae_meta: torch.nn.Module, latent: tuple[int, ...], rows: int, dtype: torch.dtype) -> int:
-    """Largest input + output of one VAE decoder layer for `rows` images, traced where the VAE lives (the meta device
-    for real models): what a no-grad decode holds at least at its peak."""
+def decode_intermediates(components: dict, adapter: type, *, resolution: int, rows: int, dtype: torch.dtype) -> int:
+    """Largest input + output of one VAE decoder layer for `rows` images, traced through the adapter's own decode where
+    the VAE lives (the meta device for real models): what a no-grad decode holds at least at its peak."""
+    import types
+
+    vae = components["vae"]
     largest = [0]
 
     def hook(module, args, out):
         size = sum(t.numel() for t in (*args, out) if isinstance(t, torch.Tensor)) * dtype.itemsize
         largest[0] = max(largest[0], size)
 
-    handles = [m.register_forward_hook(hook) for m in vae_meta.decoder.modules() if not list(m.children())]
-    with torch.no_grad():
-        vae_meta.decoder(torch.zeros(rows, *latent, device=next(vae_meta.parameters()).device))
+    pipe = types.SimpleNamespace(vae=vae, transformer=components["transformer"], vae_scale_factor=adapter.vae_scale(vae))
+    model = adapter(pipe, resolution=resolution, sampling_steps=1, max_sequence_length=1)
+    handles = [m.register_forward_hook(hook) for m in vae.decoder.modules() if not list(m.children())]
+    model.decode(torch.zeros(rows, *model.latent_shape(), device=next(vae.parameters()).device))
     for handle in handles:
         handle.remove()
     return largest[0]

@@ -1240,24 +1240,29 @@ PLAIN_GUIDANCE = {"sd3": (1.0, dict(guidance_scale=1.0)), "flux": (1.0, dict(gui
                   "qwenimage": (4.0, dict(negative_prompt=" ", true_cfg_scale=4.0)), "flux2": (4.0, dict(guidance_scale=4.0))}
 
 
+def flux2_layers(pipe, family) -> dict:
+    """The plain call needs Qwen3 layers 9, 18 and 27: the tiny encoder (27 layers) has them; the one-layer encoder at
+    real width gives its only layer three times (what Flux2.text_layers reads there)."""
+    depth = pipe.text_encoder.config.num_hidden_layers if family == "flux2" else 27
+    return {"text_encoder_out_layers": (depth,) * 3} if depth < 27 else {}
+
+
 def assert_rollouts_equal_the_plain_pipeline_call(pipe, family, *, resolution, steps, latent_atol=1e-5):
     """Our encoding + velocity (guided as the pipeline guides) + Euler on our grid + decoding == `pipe(prompt=...,
     num_inference_steps=N)` called the plain way (the pipeline's own default sigmas, shift and mu), from the same
     initial noise."""
-    model = adapter_for(pipe, family, resolution=resolution, sampling_steps=steps)
-    prompts = ["a red car", "a blue flower"]
+    # Prompts of different lengths and room for both: Qwen-Image then pads one and masks the padding.
+    model = adapter_for(pipe, family, resolution=resolution, sampling_steps=steps, max_sequence_length=16)
+    prompts = ["a red car", "a photo of the blue flower"]
     noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
     scale, guidance = PLAIN_GUIDANCE[family]
     velocity = model.velocity if scale == 1 else model.guided(model.velocity, model.encode([model.negative_prompt]), scale)
     x0 = vgrpo.sample_ode(velocity, noise, model.encode(prompts), model.timesteps())
-    # FLUX.2's pipeline takes and returns latents on the VAE's grid (its noise unpacked, its output unnormalised). Its
-    # text layers (9, 18, 27) are given only for the one-layer encoder at real width (Flux2.text_layers); the tiny one
-    # is 27 deep, so there the call is the plain one.
+    # FLUX.2's pipeline takes and returns latents on the VAE's grid (its noise unpacked, its output unnormalised).
     flux2 = family == "flux2"
-    if flux2:
-        guidance = {**guidance, "text_encoder_out_layers": model.text_layers()}
     call = partial(pipe, prompt=prompts, height=resolution, width=resolution, num_inference_steps=steps,
-                   latents=model.to_vae_latents(noise) if flux2 else noise, max_sequence_length=8, **guidance)
+                   latents=model.to_vae_latents(noise) if flux2 else noise, max_sequence_length=16, **guidance,
+                   **flux2_layers(pipe, family))
     ours = model.denormalize(model.to_vae_latents(x0)) if flux2 else x0
     torch.testing.assert_close(ours, call(output_type="latent").images, rtol=1e-5, atol=latent_atol)
     torch.testing.assert_close(model.decode(x0), call(output_type="pt").images, rtol=1e-4, atol=1e-4)
@@ -1610,9 +1615,8 @@ def test_real_width_rollouts_and_grids_equal_the_plain_pipeline_call(name, real_
     steps, resolution, last = GRID_ANCHORS[name]
     # The pipeline's grid at full resolution, without paying for the transformer: a zero velocity leaves the grid as is.
     monkeypatch.setattr(pipe.transformer, "forward", lambda hidden_states, **_: (torch.zeros_like(hidden_states),))
-    layers = {"text_encoder_out_layers": model.text_layers()} if family == "flux2" else {}
     pipe(prompt="a red car", height=resolution, width=resolution, num_inference_steps=steps, max_sequence_length=8,
-         guidance_scale=1.0, output_type="latent", **layers)
+         guidance_scale=1.0, output_type="latent", **flux2_layers(pipe, family))
     ours = adapter_for(pipe, family, resolution=resolution, sampling_steps=steps).timesteps()
     assert torch.equal(ours, pipe.scheduler.sigmas.cpu()) and ours[0] == 1 and ours[-1] == 0 and len(ours) == steps + 1
     if last is not None:
@@ -1787,12 +1791,14 @@ def saved_for_backward(model, rows):
 
 
 @pytest.mark.parametrize("name,depth", [("sd3.5-medium", {"num_layers": 5, "dual_attention_layers": (0, 1, 2)}),
-                                        ("flux.1-dev", {"num_layers": 2, "num_single_layers": 3})])
+                                        ("flux.1-dev", {"num_layers": 2, "num_single_layers": 3}),
+                                        ("qwen-image", {"num_layers": 3}),
+                                        ("flux.2-klein-4b", {"num_layers": 2, "num_single_layers": 3})])
 def test_memory_plan_matches_a_measured_cpu_run_at_real_width(name, depth, real_dirs):
     """The plan extrapolates activations from a twin holding each block type (the first twice) to the model's depth
     and batch, and counts parameters from configs on the meta device. Checked against what real tensors hold:
     bytes saved for backward by a real-width model of a depth the twin does not have (SD3.5: 3 dual blocks, 1 plain,
-    the last; FLUX: 2 double, 3 single) at 3 rows in bf16 autocast with LoRA, and the bytes train.load_pipeline
+    the last; FLUX.1 and FLUX.2: 2 double, 3 single; Qwen-Image: 3) at 3 rows in bf16 autocast with LoRA, and the bytes train.load_pipeline
     holds per component of a saved pipeline."""
     cfg = train.Config(model=str(real_dirs / name), resolution=64, max_sequence_length=8)
     family, components = models.meta_components(cfg.model)
@@ -1801,7 +1807,9 @@ def test_memory_plan_matches_a_measured_cpu_run_at_real_width(name, depth, real_
         held = [*loaded.pipe.components[component].parameters(), *loaded.pipe.components[component].buffers()]
         assert models.stored_bytes(module, torch.bfloat16) == sum(t.numel() * t.element_size() for t in held), component
 
-    with torch.device("meta"):
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # as activation_profile: Qwen-Image's rotary tables stay real
         deeper = type(components["transformer"]).from_config({**dict(components["transformer"].config), **depth})
     adapter = models.ADAPTERS[family]
     profile = models.activation_profile(deeper, adapter, torch.bfloat16, partial(train.make_trainable, cfg=cfg),
@@ -1918,6 +1926,7 @@ BAD_INPUTS = [
     (["--solver", "rk4"], "--solver 'rk4' is not one of"),
     (["--resume", "{tmp}"], "no config.json there"),
     (["--model", "tiny-flux", "--cfg_scale", "4"], "does not apply to FLUX.1"),
+    (["--model", "black-forest-labs/FLUX.2-klein-4B", "--cfg_scale", "4"], "is step-distilled"),
     (["--hsdp", "3"], "--hsdp 3 must be 0 (auto), 1 (plain FSDP) or a divisor of the world size 1"),
     (["--prompts", "{tmp}/binary.txt"], "binary.txt is not UTF-8 text (byte 0)"),
     (["--prompts", "{tmp}/prompts.json"], ".json is not read; write one JSON object per line as .jsonl"),

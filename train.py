@@ -314,6 +314,10 @@ def validate(cfg: Config, world_size: int) -> str:
     family = model_family(cfg.model)
     if family == "flux" and cfg.cfg_scale != 1.0:
         raise ConfigError("--cfg_scale does not apply to FLUX.1 (guidance-distilled); FLUX.1-dev uses --flux_guidance")
+    if family == "flux2" and cfg.cfg_scale != 1.0 and step_distilled(cfg.model):
+        raise ConfigError(f"--cfg_scale {cfg.cfg_scale}: {cfg.model} is step-distilled (is_distilled in its "
+                          "model_index.json) and Flux2KleinPipeline applies no CFG to it; use --cfg_scale 1, or train the "
+                          "base model (e.g. black-forest-labs/FLUX.2-klein-base-4B) with CFG")
     if not cfg.prompts and cfg.model not in models.TINY_MODELS and not cfg.plan:
         raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
     return family
@@ -342,11 +346,10 @@ def plan_memory(cfg: Config, family: str, world: int, gpu_gb: float) -> tuple[mo
         _, components = models.meta_components(cfg.model)
     except (ValueError, OSError) as error:
         raise ConfigError(f"--plan: {error}") from None
-    adapter, transformer, vae = models.ADAPTERS[family], components["transformer"], components["vae"]
+    adapter, transformer = models.ADAPTERS[family], components["transformer"]
     activations = models.activation_profile(transformer, adapter, dtype, partial(make_trainable, cfg=cfg),
                                             resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length)
     lora = models.lora_parameters(transformer, cfg.lora_rank, cfg.lora_targets.split(",")) if cfg.lora_rank else 0
-    side = cfg.resolution // 2 ** (len(vae.config.block_out_channels) - 1)
     local = cfg.num_prompts // world * cfg.group_size
 
     def plan_of(c: Config) -> models.MemoryPlan:
@@ -359,7 +362,8 @@ def plan_memory(cfg: Config, family: str, world: int, gpu_gb: float) -> tuple[mo
             reward_bytes=sum(rewards.reward_model_bytes(name, options.get(name, {}).get("dtype", "float32"))
                              for name in rewards.parse_reward_spec(c.rewards)),
             offload_text_encoders=c.offload_text_encoders, activations=activations,
-            decode_bytes=models.decode_intermediates(vae, (vae.config.latent_channels, side, side), rollout_rows, dtype))
+            decode_bytes=models.decode_intermediates(components, adapter, resolution=cfg.resolution, rows=rollout_rows,
+                                                     dtype=dtype))
 
     plan = plan_of(cfg)
     if plan.fits():
@@ -408,6 +412,14 @@ def check_memory_plan(cfg: Config, family: str, world: int, gpu_gb: float | None
     problem = broadcast_from_rank0(problem)
     if problem:
         raise ConfigError(problem)
+
+
+def step_distilled(model: str) -> bool:
+    """A FLUX.2 [klein] checkpoint distilled to few steps (its pipeline config says is_distilled)."""
+    if model in models.DISTILLED_HUB_IDS:
+        return True
+    index = Path(model) / "model_index.json"
+    return index.is_file() and bool(json.loads(index.read_text()).get("is_distilled"))
 
 
 def model_family(model: str) -> str:
