@@ -168,7 +168,10 @@ PRESETS = {
     "flux2": dict(model="black-forest-labs/FLUX.2-klein-base-4B", resolution=384, max_sequence_length=512,
                   rewards="pickscore:1", num_prompts=48, group_size=16, sampling_steps=8, cfg_scale=4.0, solver="euler",
                   num_mc=4, num_grad_steps=2, clip_eps=0.01, soft_clip_eta=3.0, lr=3e-4, weight_decay=1e-4,
-                  lora_rank=64, lora_alpha=128, iterations=300, micro_batch_size=4, rollout_batch_size=16),
+                  lora_rank=64, lora_alpha=128, iterations=300, micro_batch_size=4, rollout_batch_size=16,
+                  # 20 of klein 4B's 25 blocks are single blocks, whose q, k, v come from one fused projection
+                  # (with the MLP's input): without it LoRA would reach only the 5 double blocks.
+                  lora_targets="to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,to_qkv_mlp_proj"),
 }
 
 
