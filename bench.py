@@ -14,11 +14,12 @@
    evaluations (forward and backward counted) and wall time to the same reward.
 4. Overhead: one V-GRPO update against the bare forward + backward of the same model on the same
    tensors; seconds per phase and peak memory from train.py; 1 against 2 processes (torchrun, gloo).
-5. GPU (CUDA only): images/s and step time at the real SD3.5-Medium and FLUX.1-dev transformer sizes
-   (random weights), bf16, LoRA, activation checkpointing off and on; a row that runs out of memory says so.
+5. GPU (CUDA only): images/s and step time at the real transformer sizes of each preset's model (SD3.5-Medium,
+   FLUX.1-dev, Qwen-Image, FLUX.2 [klein] 4B; random weights), bf16, LoRA, activation checkpointing off and on; a
+   row that runs out of memory says so.
 6. Real checkpoints (CUDA and the hub; `--sections 6`): the real-model-path checks the tests make at reduced
-   depth on CPU, on SD3.5-Medium and FLUX.1-dev themselves: Euler rollouts against `pipe(...)` called the plain
-   way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training, the
+   depth on CPU, on each preset's checkpoint itself (SD3.5-Medium, FLUX.1-dev, Qwen-Image, FLUX.2 [klein] base 4B):
+   Euler rollouts with the preset's guidance against `pipe(...)` called the plain way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training, the
    iteration's peak memory against the memory plan. `--sections 6 --reduced`: the same on real-width, reduced-depth
    pipelines with random weights built in place (no hub), as the tests build them.
 7. Scale: surrogate rows and interleaved wall time of the old-policy pass before/after computing s_old only where it
@@ -755,61 +756,73 @@ def section_scale() -> tuple[str, dict]:
 # ----------------------------------------------------------------------------------------------
 # 5. GPU: the paper's model sizes, random weights
 
-REAL_SIZES = {
-    # SD3.5-Medium: MMDiT-X, 24 blocks of width 1536, dual attention in the first 13, 512 px -> 64 x 64 latents.
-    "sd35m": dict(family="sd3", resolution=512, samples=8, steps=40, config=dict(
-        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
-        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
-        pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
-        text=dict(tokens=333, dim=4096, pooled=2048)),
-    # FLUX.1-dev: 19 double + 38 single blocks of width 3072, 720 px -> 45 x 45 packed latents.
-    "flux": dict(family="flux", resolution=720, samples=2, steps=16, config=dict(
-        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-        axes_dims_rope=(16, 56, 56)), text=dict(tokens=512, dim=4096, pooled=768)),
-}
+# preset -> (models.REAL_CONFIGS name, rows per forward: the preset's micro-batch, 8 for SD3.5-M as first measured)
+GPU_MODELS = {"sd35m": ("sd3.5-medium", 8), "flux": ("flux.1-dev", 2), "qwenimage": ("qwen-image", 2),
+              "flux2": ("flux.2-klein-4b", 4)}
+
+
+def real_sizes(gpu_models: dict = GPU_MODELS) -> dict:
+    """Section 5's rows: each preset's transformer at its published size (models.REAL_CONFIGS) with the preset's
+    resolution, sampling steps, text length and CFG scale."""
+    sizes = {}
+    for preset, (name, samples) in gpu_models.items():
+        p, spec = train.PRESETS[preset], models.REAL_CONFIGS[name]
+        sizes[preset] = dict(family=spec["family"], config=spec["transformer"], resolution=p["resolution"],
+                             steps=p["sampling_steps"], tokens=p["max_sequence_length"], cfg=p.get("cfg_scale", 1.0),
+                             samples=samples)
+    return sizes
 
 
 def gpu_row(spec: dict, ckpt: bool, device, dtype, repeats: int) -> dict:
-    """One row of section 5: a forward's seconds, one LoRA update against the bare forward + backward, peak memory."""
+    """One row of section 5: a sampling step's seconds (both forwards where the preset uses CFG), one LoRA update
+    against the bare forward + backward, peak memory."""
     model = RandomModel(spec, device, dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     cond = {k: v.expand(spec["samples"], *v.shape[1:]).to(device) for k, v in model.cond_template.items()}
+    velocity = model.velocity
+    if spec["cfg"] != 1:
+        velocity = model.guided(model.velocity, {k: v.to(device) for k, v in model.cond_template.items()}, spec["cfg"])
     noise = torch.randn(spec["samples"], *model.latent_shape(), device=device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
-        nfe_s, = median_seconds(lambda: (model.velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
-                                         sync()), repeats=repeats)
-    step = update_vs_floor(model, model.cond_template, samples=spec["samples"], num_mc=4, lora_rank=32,
-                           grad_checkpointing=ckpt, device=device, repeats=repeats)
+        step_s, = median_seconds(lambda: (velocity(noise, torch.full((len(noise),), 0.5, device=device), cond),
+                                          sync()), repeats=repeats)
+    update = update_vs_floor(model, model.cond_template, samples=spec["samples"], num_mc=4, lora_rank=32,
+                             grad_checkpointing=ckpt, device=device, repeats=repeats)
     memory = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    return dict(nfe_s=nfe_s, memory_gb=memory, **step)
+    return dict(sampling_step_s=step_s, memory_gb=memory, **update)
+
+
+def random_transformer(family: str, config: dict, device, dtype) -> torch.nn.Module:
+    """The family's transformer class from `config`, built directly in `dtype` on `device` with N(0, 0.02) weights
+    (a float32 build first would need 80 GB for Qwen-Image's 20 B parameters)."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):  # Qwen-Image's rotary tables are plain tensors: keep them real
+        meta = getattr(diffusers, models.TRANSFORMER_CLASSES[family]).from_config(config)
+    return models.materialize(meta, dtype, device=device).eval()
 
 
 class RandomModel:
     """A train.py adapter around a random transformer, with random text embeddings in place of encoders."""
 
     def __init__(self, spec: dict, device, dtype):
-        from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
-
-        cls = SD3Transformer2DModel if spec["family"] == "sd3" else FluxTransformer2DModel
-        with torch.device(device):
-            self.transformer = cls(**spec["config"]).to(dtype).eval()
+        self.transformer = random_transformer(spec["family"], spec["config"], device, dtype)
         self.transformer.requires_grad_(False)
         if dist.is_initialized():  # under torchrun: FSDP2 over the visible GPUs, as train.py does
             train.apply_fsdp(self.transformer, device, dtype)
         pipe = types.SimpleNamespace(transformer=self.transformer, vae_scale_factor=8)  # all the adapter reads
         adapter = models.ADAPTERS[spec["family"]](pipe, dtype, resolution=spec["resolution"], sampling_steps=spec["steps"],
-                                                  max_sequence_length=spec["text"]["tokens"])
-        self.velocity, self.latent_shape = adapter.velocity, adapter.latent_shape
-        text = spec["text"]
-        self.cond_template = {"embeds": torch.randn(1, text["tokens"], text["dim"]),
-                              "pooled": torch.randn(1, text["pooled"])}
+                                                  max_sequence_length=spec["tokens"])
+        self.velocity, self.latent_shape, self.guided = adapter.velocity, adapter.latent_shape, adapter.guided
+        # encode()'s shapes from the adapter; random values, except a text mask (Qwen-Image's), which stays all ones
+        self.cond_template = {k: v if k == "mask" else torch.randn_like(v) for k, v in adapter.cond_like(1).items()}
 
 
-def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16, repeats: int = 3) -> tuple[str, dict]:
-    device = device or torch.device("cuda")
+def section_gpu(sizes: dict | None = None, device=None, dtype=torch.bfloat16, repeats: int = 3) -> tuple[str, dict]:
+    device, sizes = device or torch.device("cuda"), sizes or real_sizes()
     models.avoid_cudnn_attention()  # as train.py does
     rows, results = [], {}
     for name, spec in sizes.items():
@@ -824,14 +837,15 @@ def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16, rep
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             results[f"{name} ckpt={ckpt}"] = result
-            rows.append([name, "on" if ckpt else "off", spec["samples"], f"{result['nfe_s'] * 1e3:.0f}",
-                         f"{spec['samples'] / (result['nfe_s'] * spec['steps']):.2f}", f"{result['step_s'] * 1e3:.0f}",
+            rows.append([name, "on" if ckpt else "off", spec["samples"], f"{result['sampling_step_s'] * 1e3:.0f}",
+                         f"{spec['samples'] / (result['sampling_step_s'] * spec['steps']):.2f}", f"{result['step_s'] * 1e3:.0f}",
                          f"{result['ratio']:.2f}", f"{result['memory_gb']:.1f}"])
             print("|", " | ".join(str(c) for c in rows[-1]), "|", flush=True)  # a row survives a later timeout
     text = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else device}, {dtype}, random weights, LoRA r 32, "
-            "K = 4; rollout images/s = batch / (one forward x the preset's sampling steps: 40 for SD3.5-M, 16 for "
-            "FLUX).\n\n"
-            + table(["model", "activation ckpt", "batch", "ms per forward", "rollout images/s", "ms per update",
+            "K = 4, each preset's resolution and text length; a sampling step is one forward, two with the preset's CFG "
+            "(Qwen-Image, FLUX.2 [klein] base: 4); rollout images/s = batch / (sampling step x the preset's steps: "
+            + ", ".join(f"{n} {spec['steps']}" for n, spec in sizes.items()) + ").\n\n"
+            + table(["model", "activation ckpt", "batch", "ms per sampling step", "rollout images/s", "ms per update",
                      "update / (fwd + bwd)", "peak GiB"], rows))
     return text, results
 
@@ -839,8 +853,8 @@ def section_gpu(sizes: dict = REAL_SIZES, device=None, dtype=torch.bfloat16, rep
 # ----------------------------------------------------------------------------------------------
 # 6. The real-model path on real weights (GPU and hub): what the tests check at reduced depth on CPU
 
-REAL_MODELS = {"sd35m": "stabilityai/stable-diffusion-3.5-medium", "flux": "black-forest-labs/FLUX.1-dev"}
-REDUCED = {"sd35m": "sd3.5-medium", "flux": "flux.1-dev"}  # preset -> models.REAL_CONFIGS name
+REAL_MODELS = {preset: train.PRESETS[preset]["model"] for preset in GPU_MODELS}
+REDUCED = {preset: name for preset, (name, _) in GPU_MODELS.items()}  # preset -> models.REAL_CONFIGS name
 
 
 def reduced_checkpoints(root: Path) -> dict:
@@ -849,6 +863,26 @@ def reduced_checkpoints(root: Path) -> dict:
     for preset, name in REDUCED.items():
         models.reduced_pipeline(name).save_pretrained(root / name)
     return {preset: root / name for preset, name in REDUCED.items()}
+
+
+def plain_pipeline_latents(model, cfg, prompt: str, noise: torch.Tensor) -> torch.Tensor:
+    """`model.pipe(prompt, ...)` called as its model card calls it, with the run's guidance, from our noise: the
+    final latents in our layout. The guidance each pipeline applies: SD3 and FLUX.2 [klein] base batch CFG against
+    an empty prompt (guidance_scale), Qwen-Image runs true CFG against a negative prompt (true_cfg_scale), FLUX.1-dev
+    embeds its distilled guidance (guidance_scale) and has no CFG in a V-GRPO run."""
+    call = dict(height=cfg.resolution, width=cfg.resolution, num_inference_steps=cfg.sampling_steps,
+                max_sequence_length=cfg.max_sequence_length, output_type="latent", latents=noise.to(model.dtype))
+    name = model.pipeline_class
+    if name == "FluxPipeline":
+        call["guidance_scale"] = model.guidance
+    elif name == "QwenImagePipeline":
+        call.update(true_cfg_scale=cfg.cfg_scale, negative_prompt=model.negative_prompt if cfg.cfg_scale > 1 else None)
+    else:
+        call["guidance_scale"] = cfg.cfg_scale
+    if name == "Flux2KleinPipeline":  # latents in and out on the VAE's grid, its output unnormalised
+        call.update(latents=model.to_vae_latents(noise).to(model.dtype), text_encoder_out_layers=model.text_layers())
+        return model.from_vae_latents(model.normalize(model.pipe(prompt=prompt, **call).images.float()))
+    return model.pipe(prompt=prompt, **call).images.float()
 
 
 def encode_on(model, texts: list[str], device) -> dict:
@@ -879,13 +913,13 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
             model = train.load_pipeline(cfg, train.model_family(cfg.model), device, dtype)
             g = torch.Generator().manual_seed(0)
             noise = torch.randn(1, *model.latent_shape(), generator=g).to(device)
-            ours = vgrpo.sample_ode(model.velocity, noise, encode_on(model, ["a red car on a street"], device),
+            velocity = model.velocity
+            if cfg.cfg_scale != 1:
+                velocity = model.guided(velocity, encode_on(model, [model.negative_prompt], device), cfg.cfg_scale)
+            ours = vgrpo.sample_ode(velocity, noise, encode_on(model, ["a red car on a street"], device),
                                     model.timesteps())
             model.pipe.to(device)  # the plain call encodes on the pipeline's device; load_pipeline offloads the encoders
-            guidance = model.guidance if model.pipeline_class == "FluxPipeline" else 1.0
-            theirs = model.pipe("a red car on a street", height=cfg.resolution, width=cfg.resolution, latents=noise.to(dtype),
-                                num_inference_steps=cfg.sampling_steps, guidance_scale=guidance,
-                                max_sequence_length=cfg.max_sequence_length, output_type="latent").images.float()
+            theirs = plain_pipeline_latents(model, cfg, "a red car on a street", noise)
             rollout_diff = ((ours - theirs).norm() / theirs.norm()).item()
             subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args], check=True)
             measured = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["peak_memory_gb"]

@@ -989,11 +989,12 @@ def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prep
             "inputs": [pair(lambda r, i=i: r.inputs[i]) for i in index]}
 
 
-def materialize(module: torch.nn.Module, dtype: torch.dtype, seed: int = 0) -> torch.nn.Module:
-    """A meta-device module on the CPU in `dtype` with N(0, 0.02) weights: what is saved for backward depends on
-    shapes and dtypes only, and this is several times faster than the layers' own initialisers."""
-    module = module.to_empty(device="cpu").to(dtype)
-    g = torch.Generator().manual_seed(seed)
+def materialize(module: torch.nn.Module, dtype: torch.dtype, seed: int = 0, device="cpu") -> torch.nn.Module:
+    """A meta-device module on `device` in `dtype` with N(0, 0.02) weights: what is saved for backward and what a
+    step costs depend on shapes and dtypes only, and this is several times faster than the layers' own
+    initialisers. Cast before allocating: never a float32 copy of a bf16 model."""
+    module = module.to(dtype).to_empty(device=device)
+    g = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for t in [*module.parameters(), *module.buffers()]:
             if t.is_floating_point():

@@ -2180,33 +2180,33 @@ def test_flow_grpo_baseline_sde_keeps_the_marginals_of_the_flow():
     assert abs(x.mean().item() - m) < 0.02 and abs(x.std().item() - s) < 0.02
 
 
-def test_bench_gpu_section_runs_at_tiny_sizes_on_cpu():
-    """The GPU section's code path (random transformers, LoRA, activation checkpointing) at toy sizes."""
-    tiny = {
-        "sd3": dict(family="sd3", resolution=32, samples=2, steps=4, text=dict(tokens=12, dim=32, pooled=32), config=dict(
-            sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
-            pos_embed_max_size=16, dual_attention_layers=(0,), qk_norm="rms_norm")),
-        "flux": dict(family="flux", resolution=32, samples=2, steps=4, text=dict(tokens=12, dim=32, pooled=16), config=dict(
-            patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-            joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))),
-    }
+def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
+    """The GPU section's code path (random transformers built directly in their dtype, LoRA, activation
+    checkpointing, the preset's CFG in the sampling step) for every family, at the tiny pipelines' sizes."""
+    tiny = {family: dict(family=family, config=dict(models.tiny_pipeline(family).transformer.config), resolution=32,
+                         steps=2, tokens=8, cfg=4.0 if family in ("qwenimage", "flux2") else 1.0, samples=2)
+            for family in models.ADAPTERS}
     text, results = bench.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32)
     assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)}
     assert all(r["step_s"] > 0 and r["floor_s"] > 0 and math.isfinite(r["ratio"]) for r in results.values())
-    assert text.count("\n| sd3 |") == 2 and text.count("\n| flux |") == 2
+    assert all(text.count(f"\n| {n} |") == 2 for n in tiny)
+    model = bench.RandomModel({**tiny["qwenimage"], "samples": 2}, torch.device("cpu"), torch.bfloat16)
+    assert {p.dtype for p in model.transformer.parameters()} == {torch.bfloat16}
+    assert torch.equal(model.cond_template["mask"], torch.ones_like(model.cond_template["mask"]))
+    assert model.cond_template["embeds"].std() > 0.5  # random text features, not cond_like's zeros
 
 
 def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs):
     """Section 6's code path, on the tiny pipelines in place of the hub checkpoints."""
     small = ("--resolution", "32", "--max_sequence_length", "8", "--sampling_steps", "3", "--tiny_fit_steps", "0",
              "--lr", "1e-2", "--micro_batch_size", "1")
-    text, results = bench.section_real_models({"sd35m": tiny_dirs / "sd3", "flux": tiny_dirs / "flux"},
+    presets = {"sd35m": "sd3", "flux": "flux", "qwenimage": "qwenimage", "flux2": "flux2"}
+    text, results = bench.section_real_models({p: tiny_dirs / family for p, family in presets.items()},
                                               device=torch.device("cpu"), small_run=small)
     for r in results.values():
         assert r["rollout_vs_pipe"] < 1e-5 and r["export_vs_trained"] < 1e-5 < 1e-4 < r["trained_vs_base"]
         assert r["checkpoint_dtypes"] == ["torch.float32"]
-    assert text.count("\n| sd35m |") == 1 and text.count("\n| flux |") == 1
+    assert all(text.count(f"\n| {p} |") == 1 for p in presets)
 
 
 def test_bench_scale_section_counts_the_old_pass_rows_it_saves():
