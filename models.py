@@ -43,7 +43,8 @@ class FlowAdapter:
     - encode(texts) -> cond: frozen text encoders; a dict of batch-first float32 tensors, one row per text.
     - velocity(z, t, cond) -> v: the transformer, float32 t in [0, 1] (1 = noise) of shape (B,), compute in
       `dtype` under autocast, output float32 shaped like z.
-    - latent_shape() -> shape of one sample's latent as the transformer sees it (packed for FLUX).
+    - latent_shape() -> shape of one sample's latent as the transformer sees it (2x2-packed tokens for the
+      PackedLatents families); to_vae_latents / from_vae_latents map it to and from the VAE's grid.
     - timesteps() -> (sampling_steps + 1,) sigma grid from 1 to 0: exactly the grid the pipeline's own
       __call__ uses at this resolution and step count, so Euler rollouts equal `pipe(...)`.
     - decode(x) -> images (B, 3, H, W) in [0, 1]; encode_images(images) -> x, its inverse through the VAE's
@@ -192,7 +193,31 @@ class SD3(FlowAdapter):
         return {"num_layers": 3 + (dual and plain), "dual_attention_layers": (0, 1) if dual else ()}
 
 
-class Flux(FlowAdapter):
+class PackedLatents(FlowAdapter):
+    """The families whose pipelines pack the latents' 2x2 patches into tokens before the transformer (FLUX.1,
+    Qwen-Image, FLUX.2): latents (B, H/16 * W/16, 4C)."""
+
+    def _side(self) -> int:
+        return self.resolution // self.pipe.vae_scale_factor // 2
+
+    def image_tokens(self) -> int:
+        return self._side() ** 2
+
+    def latent_shape(self) -> tuple[int, ...]:
+        return self._side() ** 2, self.transformer.config.in_channels
+
+    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, h*w, C*4) -> (B, C, 2h, 2w): undo the 2x2 patch packing."""
+        B, g, c = x.shape[0], self._side(), x.shape[-1] // 4
+        return x.view(B, g, g, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, c, 2 * g, 2 * g)
+
+    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, 2h, 2w) -> (B, h*w, C*4): FLUX's 2x2 patch packing."""
+        B, c, g = x.shape[0], x.shape[1], x.shape[-1] // 2
+        return x.view(B, c, g, 2, g, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, c * 4)
+
+
+class Flux(PackedLatents):
     """FluxPipeline (FLUX.1-dev/schnell): latents packed in 2x2 patches (B, H/16 * W/16, 4C), position ids,
     a guidance embedding where the transformer has one (dev, not schnell); timestep in [0, 1]."""
 
@@ -221,15 +246,6 @@ class Flux(FlowAdapter):
                                     pooled_projections=cond["pooled"], img_ids=img_ids.to(z.device),
                                     txt_ids=txt_ids.to(z.device), return_dict=False)[0].float()
 
-    def _side(self) -> int:
-        return self.resolution // self.pipe.vae_scale_factor // 2
-
-    def image_tokens(self) -> int:
-        return self._side() ** 2
-
-    def latent_shape(self) -> tuple[int, ...]:
-        return self._side() ** 2, self.transformer.config.in_channels
-
     def schedule_kwargs(self) -> dict:
         # FluxPipeline.__call__: sigmas linspace(1, 1/N, N) unless the scheduler makes its own, mu always given
         # (the scheduler ignores it without dynamic shifting, as schnell's does).
@@ -237,18 +253,9 @@ class Flux(FlowAdapter):
         sigmas = None if self.pipe.scheduler.config.get("use_flow_sigmas") else np.linspace(1.0, 1 / n, n)
         return {"sigmas": sigmas, "mu": self.mu()}
 
-    def to_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, h*w, C*4) -> (B, C, 2h, 2w): undo the 2x2 patch packing."""
-        B, g, c = x.shape[0], self._side(), x.shape[-1] // 4
-        return x.view(B, g, g, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(B, c, 2 * g, 2 * g)
-
-    def from_vae_latents(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, 2h, 2w) -> (B, h*w, C*4): FLUX's 2x2 patch packing."""
-        B, c, g = x.shape[0], x.shape[1], x.shape[-1] // 2
-        return x.view(B, c, g, 2, g, 2).permute(0, 2, 4, 1, 3, 5).reshape(B, g * g, c * 4)
 
 
-class QwenImage(FlowAdapter):
+class QwenImage(PackedLatents):
     """QwenImagePipeline (Qwen-Image): the last hidden states of Qwen2.5-VL over the prompt in Qwen-Image's system
     template (template tokens dropped; prompts of one batch padded to the longest, with a mask), latents packed in 2x2
     patches as FLUX.1's (B, H/16 * W/16, 4C) from a video VAE (one frame) normalised per channel; timestep in [0, 1];
@@ -299,22 +306,11 @@ class QwenImage(FlowAdapter):
         tokens, width = self.text_tokens(), self.transformer.config.joint_attention_dim
         return {"embeds": torch.zeros(batch, tokens, width, device=device), "mask": torch.ones(batch, tokens, device=device)}
 
-    def _side(self) -> int:
-        return self.resolution // self.pipe.vae_scale_factor // 2
-
-    def image_tokens(self) -> int:
-        return self._side() ** 2
-
-    def latent_shape(self) -> tuple[int, ...]:
-        return self._side() ** 2, self.transformer.config.in_channels
-
     def schedule_kwargs(self) -> dict:
         # QwenImagePipeline.__call__: sigmas linspace(1, 1/N, N), mu from the image tokens (the scheduler then applies
         # its exponential shift and shift_terminal).
         n = self.sampling_steps
         return {"sigmas": np.linspace(1.0, 1 / n, n), "mu": self.mu()}
-
-    to_vae_latents, from_vae_latents = Flux.to_vae_latents, Flux.from_vae_latents
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         mean, std = self._stats(latents)
@@ -330,7 +326,7 @@ class QwenImage(FlowAdapter):
         return (torch.tensor(config.latents_mean).view(shape).to(like), torch.tensor(config.latents_std).view(shape).to(like))
 
 
-class Flux2(FlowAdapter):
+class Flux2(PackedLatents):
     """Flux2KleinPipeline (FLUX.2 [klein] 4B / 9B and their base models): Qwen3 hidden states of layers 9, 18 and 27
     side by side over the chat-templated prompt padded to max_sequence_length; latents of 2x2-patchified VAE channels
     (B, H/16 * W/16, 4C) normalised by the VAE's batch-norm statistics; 4-D (t, h, w, l) position ids; no guidance
@@ -372,15 +368,6 @@ class Flux2(FlowAdapter):
     def cond_like(self, batch: int, device="cpu") -> dict:
         width = self.transformer.config.joint_attention_dim
         return {"embeds": torch.zeros(batch, self.text_tokens(), width, device=device)}
-
-    def _side(self) -> int:
-        return self.resolution // self.pipe.vae_scale_factor // 2
-
-    def image_tokens(self) -> int:
-        return self._side() ** 2
-
-    def latent_shape(self) -> tuple[int, ...]:
-        return self._side() ** 2, self.transformer.config.in_channels
 
     def schedule_kwargs(self) -> dict:
         # Flux2KleinPipeline.__call__: sigmas linspace(1, 1/N, N) unless the scheduler makes its own, and mu from
