@@ -62,6 +62,7 @@ class FlowAdapter:
     block_lists = ("transformer_blocks",)  # the transformer's ModuleLists of blocks: FSDP units, planned per block
     negative_prompt = ""
     vae_frames = False  # the VAE takes video-shaped (B, C, frames, H, W) input (Qwen-Image's)
+    min_sampling_steps = 1  # fewer and the pipeline's own sigma grid is undefined
 
     def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, resolution: int, sampling_steps: int,
                  max_sequence_length: int, guidance: float = 3.5):
@@ -264,6 +265,9 @@ class QwenImage(PackedLatents):
     pipeline_class = "QwenImagePipeline"
     negative_prompt = " "  # the model card's "recommended if you don't use a negative prompt"
     vae_frames = True
+    # The scheduler stretches the grid so that its last sigma is shift_terminal, dividing by (1 - that sigma): with
+    # one step that sigma is 1 and the grid 0 / 0 (QwenImagePipeline's own too).
+    min_sampling_steps = 2
 
     @staticmethod
     def reduced_depth(config) -> dict:

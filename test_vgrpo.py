@@ -1436,6 +1436,21 @@ def test_missing_tracker_package_is_one_clear_error(monkeypatch):
         train.main(["--tracker", "tensorboard"])
 
 
+def test_a_sigma_grid_that_is_not_finite_stops_before_training(tiny_dirs, tmp_path, monkeypatch):
+    """A saved pipeline whose scheduler has shift 0 (sigma(1) = 0 / 0) is refused with one clear error after loading,
+    instead of NaN rollouts that read as a diverged run."""
+    monkeypatch.setattr(vgrpo, "vgrpo_update", lambda *a, **k: pytest.fail("training started"))
+    model = tmp_path / "sd3"
+    shutil.copytree(tiny_dirs / "sd3", model)
+    config = model / "scheduler" / "scheduler_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "shift": 0.0}))
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", str(model), "--prompts", str(tiny_dirs / "prompts.jsonl"), "--run_dir",
+                    str(tmp_path / "run"), *SMALL_RUN])
+    assert str(exit_info.value).startswith("error: StableDiffusion3Pipeline's scheduler gives a sigma grid that is "
+                                           "not finite for --sampling_steps 4")
+
+
 def test_lora_targets_that_match_no_layer_stop_before_training(tiny_dirs, tmp_path, monkeypatch):
     """peft raises when no target matches and silently drops a target when another one does; both are refused."""
     monkeypatch.setattr(vgrpo, "vgrpo_update", lambda *a, **k: pytest.fail("training started"))
@@ -1686,16 +1701,20 @@ def checkpoint_dtypes(run_dir):
             if hasattr(v, "properties") and ("lora" in key or key.startswith("optim"))}
 
 
-def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(real_dirs, tmp_path):
-    """FLUX.1-dev width, 2 processes, FSDP2 with bf16 compute: the sharded LoRA and AdamW states are float32, and
-    the LoRA gathered from the shards loads into diffusers with the trained transformer's output."""
-    run_train("--model", real_dirs / "flux.1-dev", "--prompts", real_dirs / "prompts.txt", "--run_dir", tmp_path,
+@pytest.mark.parametrize("name,extra", [("flux.1-dev", ()), ("qwen-image", ("--cfg_scale", "4", "--sampling_steps", "2"))])
+def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(name, extra, real_dirs, tmp_path):
+    """FLUX.1-dev and Qwen-Image (true CFG in the rollouts, a text mask, rotary tables that are plain tensors, a
+    LoRA weight that never gets a gradient) at real width, 2 processes, FSDP2 with bf16 compute: the sharded LoRA
+    and AdamW states are float32, and the LoRA gathered from the shards loads into diffusers with the trained
+    transformer's output."""
+    family = models.REAL_CONFIGS[name]["family"]
+    run_train("--model", real_dirs / name, "--prompts", real_dirs / "prompts.txt", "--run_dir", tmp_path,
               *REAL_SMALL_RUN, *BF16_TOKENS, "--num_prompts", "2", "--sampling_steps", "1", "--num_mc", "2",
-              "--micro_batch_size", "2", "--num_grad_steps", "1", "--dtype", "bfloat16", "--lr", "1e-2", nproc=2)
+              "--micro_batch_size", "2", "--num_grad_steps", "1", "--dtype", "bfloat16", "--lr", "1e-2", *extra, nproc=2)
     metrics = read_metrics(tmp_path)[0]
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["skipped_steps"] == 0
     assert checkpoint_dtypes(tmp_path) == {("model", torch.float32), ("optim", torch.float32)}
-    assert_export_reproduces_training(tmp_path, real_dirs / "flux.1-dev", "flux", lora=True)
+    assert_export_reproduces_training(tmp_path, real_dirs / name, family, lora=True)
 
 
 # bf16 runs at real width use 4 image tokens (32 px) and 4 T5 tokens: CPUs without AVX-512 BF16 multiply a bf16 matrix
@@ -1933,6 +1952,7 @@ BAD_INPUTS = [
     (["--resume", "{tmp}"], "no config.json there"),
     (["--model", "tiny-flux", "--cfg_scale", "4"], "does not apply to FLUX.1"),
     (["--model", "black-forest-labs/FLUX.2-klein-4B", "--cfg_scale", "4"], "is step-distilled"),
+    (["--model", "tiny-qwenimage", "--sampling_steps", "1"], "--sampling_steps 1: QwenImagePipeline needs at least 2"),
     (["--hsdp", "3"], "--hsdp 3 must be 0 (auto), 1 (plain FSDP) or a divisor of the world size 1"),
     (["--prompts", "{tmp}/binary.txt"], "binary.txt is not UTF-8 text (byte 0)"),
     (["--prompts", "{tmp}/prompts.json"], ".json is not read; write one JSON object per line as .jsonl"),

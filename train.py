@@ -321,6 +321,10 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--cfg_scale {cfg.cfg_scale}: {cfg.model} is step-distilled (is_distilled in its "
                           "model_index.json) and Flux2KleinPipeline applies no CFG to it; use --cfg_scale 1, or train the "
                           "base model (e.g. black-forest-labs/FLUX.2-klein-base-4B) with CFG")
+    least = models.ADAPTERS[family].min_sampling_steps
+    if cfg.sampling_steps < least:
+        raise ConfigError(f"--sampling_steps {cfg.sampling_steps}: {models.ADAPTERS[family].pipeline_class} needs at "
+                          f"least {least} (its scheduler's sigma grid is undefined for fewer, the pipeline's own too)")
     if not cfg.prompts and cfg.model not in models.TINY_MODELS and not cfg.plan:
         raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
     return family
@@ -534,6 +538,16 @@ def generator(seed: int, *keys: int | str) -> torch.Generator:
 
 # ----------------------------------------------------------------------------------------------
 # Models: loading, trainable parameters, FSDP2 (family details live in models.py)
+
+
+def check_sampling_grid(model: models.FlowAdapter) -> None:
+    """A scheduler configuration whose sigma grid is not finite (shift 0, say) would make every rollout NaN, which
+    would read as a diverged run."""
+    grid = model.timesteps()
+    if not torch.isfinite(grid).all():
+        raise ConfigError(f"{model.pipeline_class}'s scheduler gives a sigma grid that is not finite for --sampling_steps "
+                          f"{model.sampling_steps} at --resolution {model.resolution}: {grid.tolist()}; check the "
+                          "model's scheduler/scheduler_config.json (shift, shift_terminal) or use more steps")
 
 
 def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype,
@@ -1032,6 +1046,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     options = json.loads(cfg.reward_options)
     reward_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {})) for name in weights}
     model = load_pipeline(cfg, family, device, dtype, sharded=world > 1)
+    check_sampling_grid(model)
     transformer = model.transformer
     make_trainable(transformer, cfg)
     if cfg.grad_checkpointing:
