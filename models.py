@@ -63,6 +63,7 @@ class FlowAdapter:
     negative_prompt = ""
     vae_frames = False  # the VAE takes video-shaped (B, C, frames, H, W) input (Qwen-Image's)
     min_sampling_steps = 1  # fewer and the pipeline's own sigma grid is undefined
+    text_token_limit = None  # the most max_sequence_length the pipeline's check_inputs accepts (None: no limit)
 
     def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, resolution: int, sampling_steps: int,
                  max_sequence_length: int, guidance: float = 3.5):
@@ -160,6 +161,7 @@ class SD3(FlowAdapter):
     """StableDiffusion3Pipeline (SD3, SD3.5): latents (B, C, H/8, W/8); timestep in [0, 1000]."""
 
     pipeline_class = "StableDiffusion3Pipeline"
+    text_token_limit = 512
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict:
@@ -223,6 +225,7 @@ class Flux(PackedLatents):
     a guidance embedding where the transformer has one (dev, not schnell); timestep in [0, 1]."""
 
     pipeline_class = "FluxPipeline"
+    text_token_limit = 512
     block_lists = ("transformer_blocks", "single_transformer_blocks")
 
     @staticmethod
@@ -263,6 +266,7 @@ class QwenImage(PackedLatents):
     true CFG against a negative prompt, rescaled to the conditional prediction's norm."""
 
     pipeline_class = "QwenImagePipeline"
+    text_token_limit = 1024
     negative_prompt = " "  # the model card's "recommended if you don't use a negative prompt"
     vae_frames = True
     # The scheduler stretches the grid so that its last sigma is shift_terminal, dividing by (1 - that sigma): with

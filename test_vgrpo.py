@@ -1953,6 +1953,8 @@ BAD_INPUTS = [
     (["--model", "tiny-flux", "--cfg_scale", "4"], "does not apply to FLUX.1"),
     (["--model", "black-forest-labs/FLUX.2-klein-4B", "--cfg_scale", "4"], "is step-distilled"),
     (["--model", "tiny-qwenimage", "--sampling_steps", "1"], "--sampling_steps 1: QwenImagePipeline needs at least 2"),
+    (["--max_sequence_length", "600"], "--max_sequence_length 600: StableDiffusion3Pipeline accepts at most 512"),
+    (["--model", "tiny-qwenimage", "--max_sequence_length", "2000"], "QwenImagePipeline accepts at most 1024"),
     (["--hsdp", "3"], "--hsdp 3 must be 0 (auto), 1 (plain FSDP) or a divisor of the world size 1"),
     (["--prompts", "{tmp}/binary.txt"], "binary.txt is not UTF-8 text (byte 0)"),
     (["--prompts", "{tmp}/prompts.json"], ".json is not read; write one JSON object per line as .jsonl"),

@@ -321,10 +321,14 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--cfg_scale {cfg.cfg_scale}: {cfg.model} is step-distilled (is_distilled in its "
                           "model_index.json) and Flux2KleinPipeline applies no CFG to it; use --cfg_scale 1, or train the "
                           "base model (e.g. black-forest-labs/FLUX.2-klein-base-4B) with CFG")
-    least = models.ADAPTERS[family].min_sampling_steps
-    if cfg.sampling_steps < least:
-        raise ConfigError(f"--sampling_steps {cfg.sampling_steps}: {models.ADAPTERS[family].pipeline_class} needs at "
-                          f"least {least} (its scheduler's sigma grid is undefined for fewer, the pipeline's own too)")
+    adapter = models.ADAPTERS[family]
+    if cfg.sampling_steps < adapter.min_sampling_steps:
+        raise ConfigError(f"--sampling_steps {cfg.sampling_steps}: {adapter.pipeline_class} needs at least "
+                          f"{adapter.min_sampling_steps} (its scheduler's sigma grid is undefined for fewer, the "
+                          "pipeline's own too)")
+    if adapter.text_token_limit and cfg.max_sequence_length > adapter.text_token_limit:
+        raise ConfigError(f"--max_sequence_length {cfg.max_sequence_length}: {adapter.pipeline_class} accepts at most "
+                          f"{adapter.text_token_limit} (pipe(...) refuses longer text too)")
     if not cfg.prompts and cfg.model not in models.TINY_MODELS and not cfg.plan:
         raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
     return family
