@@ -1451,6 +1451,24 @@ def test_a_sigma_grid_that_is_not_finite_stops_before_training(tiny_dirs, tmp_pa
                                            "not finite for --sampling_steps 4")
 
 
+def test_cfg_on_a_step_distilled_hub_checkpoint_is_refused_from_its_model_index(monkeypatch, tmp_path):
+    """A FLUX.2 [klein] hub id the project does not list (the distilled 9B, say) is read from its model_index.json:
+    is_distilled there refuses --cfg_scale, as Flux2KleinPipeline would ignore it; the base model trains with it."""
+    from diffusers import DiffusionPipeline
+
+    indexes = {"black-forest-labs/FLUX.2-klein-9B": {"_class_name": "Flux2KleinPipeline", "is_distilled": True},
+               "black-forest-labs/FLUX.2-klein-base-9B": {"_class_name": "Flux2KleinPipeline", "is_distilled": False}}
+    monkeypatch.setattr(DiffusionPipeline, "load_config", lambda model, **kw: indexes[model])
+    monkeypatch.setattr(train, "train", lambda cfg, family, *a: pytest.fail(f"{cfg.model} reached training"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red car\n")
+    with pytest.raises(SystemExit, match="klein-9B is step-distilled"):
+        train.main(["--model", "black-forest-labs/FLUX.2-klein-9B", "--cfg_scale", "4", "--prompts", str(prompts)])
+    base = train.parse_config(["--model", "black-forest-labs/FLUX.2-klein-base-9B", "--cfg_scale", "4", "--prompts",
+                               str(prompts)])
+    assert train.validate(base, 1) == "flux2"
+
+
 def test_lora_targets_that_match_no_layer_stop_before_training(tiny_dirs, tmp_path, monkeypatch):
     """peft raises when no target matches and silently drops a target when another one does; both are refused."""
     monkeypatch.setattr(vgrpo, "vgrpo_update", lambda *a, **k: pytest.fail("training started"))

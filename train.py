@@ -426,11 +426,11 @@ def check_memory_plan(cfg: Config, family: str, world: int, gpu_gb: float | None
 
 
 def step_distilled(model: str) -> bool:
-    """A FLUX.2 [klein] checkpoint distilled to few steps (its pipeline config says is_distilled)."""
-    if model in models.DISTILLED_HUB_IDS:
-        return True
-    index = Path(model) / "model_index.json"
-    return index.is_file() and bool(json.loads(index.read_text()).get("is_distilled"))
+    """A FLUX.2 [klein] checkpoint distilled to few steps (its pipeline config says is_distilled): its pipeline
+    applies no CFG."""
+    if model in models.TINY_MODELS or model in models.HUB_IDS:  # known offline
+        return model in models.DISTILLED_HUB_IDS
+    return bool(model_index(model).get("is_distilled"))
 
 
 def model_family(model: str) -> str:
@@ -438,27 +438,36 @@ def model_family(model: str) -> str:
         return models.TINY_MODELS[model]
     if model in models.HUB_IDS:  # the presets' checkpoints: known offline
         return models.REAL_CONFIGS[models.HUB_IDS[model]]["family"]
+    class_name = model_index(model)["_class_name"]
+    if class_name not in models.PIPELINE_FAMILIES:
+        raise ConfigError(f"--model {model}: {class_name} is not supported; use {' or '.join(models.PIPELINE_FAMILIES)}")
+    return models.PIPELINE_FAMILIES[class_name]
+
+
+def model_index(model: str) -> dict:
+    """The pipeline's model_index.json, from a directory or the hub (diffusers caches it)."""
     if os.path.isdir(model):
-        index = Path(model) / "model_index.json"
-        if not index.is_file():
+        where = Path(model) / "model_index.json"
+        if not where.is_file():
             raise ConfigError(f"--model {model}: no model_index.json there; pass a diffusers pipeline directory")
         try:
-            class_name = json.loads(index.read_text())["_class_name"]
-        except (ValueError, KeyError, TypeError):
-            raise ConfigError(f"--model {model}: {index} is not a diffusers model_index.json (no '_class_name' in a "
-                              "JSON object); re-save the pipeline with save_pretrained") from None
+            index = json.loads(where.read_text())
+        except ValueError:
+            index = None
     elif re.fullmatch(r"[\w.-]+/[\w.-]+", model):
         from diffusers import DiffusionPipeline
 
+        where = f"{model}'s model_index.json"
         try:
-            class_name = DiffusionPipeline.load_config(model)["_class_name"]
+            index = DiffusionPipeline.load_config(model)
         except Exception as error:
             raise ConfigError(f"--model {model}: cannot read its model_index.json from the hub ({type(error).__name__})") from None
     else:
         raise ConfigError(f"--model {model!r} is neither a directory, a hub id (org/name) nor one of {', '.join(models.TINY_MODELS)}")
-    if class_name not in models.PIPELINE_FAMILIES:
-        raise ConfigError(f"--model {model}: {class_name} is not supported; use {' or '.join(models.PIPELINE_FAMILIES)}")
-    return models.PIPELINE_FAMILIES[class_name]
+    if not isinstance(index, dict) or "_class_name" not in index:
+        raise ConfigError(f"--model {model}: {where} is not a diffusers model_index.json (no '_class_name' in a JSON "
+                          "object); re-save the pipeline with save_pretrained")
+    return index
 
 
 # ----------------------------------------------------------------------------------------------
