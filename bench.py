@@ -19,8 +19,9 @@
    row that runs out of memory says so.
 6. Real checkpoints (CUDA and the hub; `--sections 6`): the real-model-path checks the tests make at reduced
    depth on CPU, on each preset's checkpoint itself (SD3.5-Medium, FLUX.1-dev, Qwen-Image, FLUX.2 [klein] base 4B):
-   Euler rollouts with the preset's guidance against `pipe(...)` called the plain way, one preset iteration, float32 master weights in the checkpoint, the exported LoRA against training, the
-   iteration's peak memory against the memory plan. `--sections 6 --reduced`: the same on real-width, reduced-depth
+   Euler rollouts with the preset's guidance against `pipe(...)` called the plain way, one preset iteration,
+   float32 master weights in the checkpoint, the exported LoRA against training, the iteration's peak memory
+   against the memory plan. `--sections 6 --reduced`: the same on real-width, reduced-depth
    pipelines with random weights built in place (no hub), as the tests build them.
 7. Scale: surrogate rows and interleaved wall time of the old-policy pass before/after computing s_old only where it
    differs from the first gradient pass; FSDP2 all-gathers of a rollout with and without train.gathered_once.
