@@ -914,10 +914,7 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
             model = train.load_pipeline(cfg, train.model_family(cfg.model), device, dtype)
             g = torch.Generator().manual_seed(0)
             noise = torch.randn(1, *model.latent_shape(), generator=g).to(device)
-            velocity = model.velocity
-            if cfg.cfg_scale != 1:
-                velocity = model.guided(velocity, encode_on(model, [model.negative_prompt], device), cfg.cfg_scale)
-            ours = vgrpo.sample_ode(velocity, noise, encode_on(model, ["a red car on a street"], device),
+            ours = vgrpo.sample_ode(train.guided_velocity(cfg, model, device), noise, encode_on(model, ["a red car on a street"], device),
                                     model.timesteps())
             model.pipe.to(device)  # the plain call encodes on the pipeline's device; load_pipeline offloads the encoders
             theirs = plain_pipeline_latents(model, cfg, "a red car on a street", noise)

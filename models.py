@@ -258,7 +258,6 @@ class Flux(PackedLatents):
         return {"sigmas": sigmas, "mu": self.mu()}
 
 
-
 class QwenImage(PackedLatents):
     """QwenImagePipeline (Qwen-Image): the last hidden states of Qwen2.5-VL over the prompt in Qwen-Image's system
     template (template tokens dropped; prompts of one batch padded to the longest, with a mask), latents packed in 2x2

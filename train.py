@@ -602,6 +602,15 @@ def encode(model: models.FlowAdapter, texts: list[str], device: torch.device, of
                 module.to("cpu")
 
 
+def guided_velocity(cfg: Config, model: models.FlowAdapter, device: torch.device):
+    """The velocity rollouts sample with: the model's, or under --cfg_scale both predictions combined as the family's
+    pipeline combines them, against its negative prompt."""
+    if cfg.cfg_scale == 1.0:
+        return model.velocity
+    uncond = encode(model, [model.negative_prompt], device, cfg.offload_text_encoders)
+    return model.guided(model.velocity, uncond, cfg.cfg_scale)
+
+
 def lora_config(cfg: Config):
     from peft import LoraConfig
 
@@ -1078,10 +1087,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     P, G, K = cfg.num_prompts, cfg.group_size, cfg.num_mc
     P_local = P // world
     groups = range(rank * P_local, (rank + 1) * P_local)  # this rank's groups, in global numbering
-    rollout_velocity = model.velocity
-    if cfg.cfg_scale != 1.0:  # combined as the family's pipeline combines them, against its negative prompt
-        uncond = encode(model, [model.negative_prompt], device, cfg.offload_text_encoders)
-        rollout_velocity = model.guided(model.velocity, uncond, cfg.cfg_scale)
+    rollout_velocity = guided_velocity(cfg, model, device)
     # One surrogate function for theta_old and theta: same parameterisation, same weighting.
     surrogate = partial(vgrpo.elbo_surrogate, model.velocity, param=cfg.param, self_normalize=cfg.self_normalize,
                         chunk_size=cfg.micro_batch_size * K)
