@@ -921,8 +921,9 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
             rollout_diff = ((ours - theirs).norm() / theirs.norm()).item()
             subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args], check=True)
             measured = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["peak_memory_gb"]
-            planned = (train.plan_memory(cfg, train.model_family(cfg.model), 1, torch.cuda.get_device_properties(device)
-                                         .total_memory / models.GiB)[0].peak if device.type == "cuda" else float("nan"))
+            planned = (models.plan_memory(cfg, train.model_family(cfg.model), 1, torch.cuda.get_device_properties(device)
+                                          .total_memory / models.GiB, partial(train.make_trainable, cfg=cfg))[0].peak
+                       if device.type == "cuda" else float("nan"))
             latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
             metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
             stored = sorted({str(v.properties.dtype) for k, v in metadata.items()

@@ -1,17 +1,23 @@
-"""models.py: the model families train.py drives, behind one adapter contract, and the offline test models.
+"""models.py: the model families train.py drives, behind one adapter contract; the offline test models; the memory plan.
 
 V-GRPO needs five things from a text-to-image flow model, and nothing else (FlowAdapter's docstring is the
-contract). Each diffusers pipeline family is one class here; train.py never looks past the contract.
+contract). Each diffusers pipeline family is one class here (SD3, Flux, QwenImage, Flux2); train.py never looks past
+the contract.
 
 Offline models (no hub access needed, random or briefly fitted weights, the real diffusers/transformers classes):
 - tiny_pipeline: toy widths, used by `python train.py` and most tests;
-- reduced_pipeline: the REAL widths of SD3-Medium, SD3.5-Medium/Large and FLUX.1-dev/schnell (hidden sizes,
-  heads, dual attention, qk norm, rope axes, guidance embedding, text-encoder widths, VAE latent channels and
-  scaling), with 1-2 transformer blocks and one text-encoder layer, so that CPU tests see the layouts, sizes and
-  dtypes a GPU run sees.
-"""
+- reduced_pipeline: the REAL widths of SD3-Medium, SD3.5-Medium/Large, FLUX.1-dev/schnell, Qwen-Image and FLUX.2
+  [klein] 4B (hidden sizes, heads, dual attention, qk norm, rope axes, guidance embedding, text-encoder widths, VAE
+  latent channels and scaling), with 1-2 transformer blocks and one text-encoder layer, so that CPU tests see the
+  layouts, sizes and dtypes a GPU run sees.
+
+Memory plan (memory_plan, plan_memory): what each GPU holds in each phase of an iteration, from the configs on the
+meta device and activations measured on a real-width twin, before any weight is loaded."""
 
 import copy
+import dataclasses
+import json
+import os
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,6 +25,7 @@ import numpy as np
 import torch
 
 import rewards
+import runs
 
 PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwenimage",
                      "Flux2KleinPipeline": "flux2"}
@@ -1100,3 +1107,95 @@ def lora_parameters(transformer: torch.nn.Module, rank: int, targets: list[str])
     """Parameters LoRA of `rank` adds on the Linear layers peft matches to `targets` (A: r x in, B: out x r)."""
     return sum(rank * (m.in_features + m.out_features) for name, m in transformer.named_modules()
                if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets))
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan of a train.py configuration: on --plan and at every GPU launch, before any weight is loaded
+
+
+def plan_world_and_memory(cfg) -> tuple[int, float]:
+    """--plan_world_size / --plan_gpu_gb, else torchrun's world size or the visible GPUs and their memory."""
+    world = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count()
+    gpu_gb = cfg.plan_gpu_gb or (torch.cuda.get_device_properties(0).total_memory / GiB
+                                 if torch.cuda.is_available() else 0)
+    if not world or not gpu_gb:
+        raise runs.ConfigError("--plan: no GPU is visible here; say what to plan for with --plan_world_size N --plan_gpu_gb G")
+    return world, gpu_gb
+
+
+def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[MemoryPlan, str]:
+    """The per-GPU memory plan of a train.Config on `world` GPUs of gpu_gb GiB and, when it does not fit, the flags
+    that make it fit: levers taken cheapest first and cumulatively (a smaller micro-batch costs nothing at all; then
+    smaller rollout batches, gathering per ODE step, activation checkpointing: one more forward). prepare(transformer)
+    makes it trainable as the run will (train.make_trainable)."""
+    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+    try:
+        _, components = meta_components(cfg.model)
+    except (ValueError, OSError) as error:
+        raise runs.ConfigError(f"--plan: {error}") from None
+    adapter, transformer = ADAPTERS[family], components["transformer"]
+    activations = activation_profile(transformer, adapter, dtype, prepare,
+                                     resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length)
+    lora = lora_parameters(transformer, cfg.lora_rank, cfg.lora_targets.split(",")) if cfg.lora_rank else 0
+    local = cfg.num_prompts // world * cfg.group_size
+
+    def plan_of(c) -> MemoryPlan:
+        options = json.loads(c.reward_options)
+        rollout_rows = min(c.rollout_batch_size, local)
+        return memory_plan(
+            components, adapter, dtype=dtype, world=world, gpu_gb=gpu_gb, lora_params=lora,
+            micro_rows=c.micro_batch_size * c.num_mc, rollout_rows=rollout_rows * (2 if c.cfg_scale != 1.0 else 1),
+            grad_checkpointing=c.grad_checkpointing, gather_once=c.rollout_gather_once,
+            reward_bytes=sum(rewards.reward_model_bytes(name, options.get(name, {}).get("dtype", "float32"))
+                             for name in rewards.parse_reward_spec(c.rewards)),
+            offload_text_encoders=c.offload_text_encoders, activations=activations,
+            decode_bytes=decode_intermediates(components, adapter, resolution=cfg.resolution, rows=rollout_rows,
+                                              dtype=dtype))
+
+    plan = plan_of(cfg)
+    if plan.fits():
+        return plan, ""
+    # Not a lever: reward models in bf16 (their `dtype` option). Scores within 1e-3 of fp32 would need checking on
+    # the real weights, which cannot be downloaded here; the plan counts them in the dtype they are given.
+    levers = [{}, {"rollout_batch_size": max(1, cfg.rollout_batch_size // 4)}, {"rollout_gather_once": False},
+              {"grad_checkpointing": True}]
+    mini, changes = local // cfg.num_grad_steps, {}
+    for lever in levers:
+        changes.update(lever)
+        for micro in sorted((m for m in range(1, cfg.micro_batch_size + 1) if mini % m == 0), reverse=True):
+            other = plan_of(dataclasses.replace(cfg, **changes, micro_batch_size=micro))
+            if other.fits():
+                changed = {k: v for k, v in {**changes, "micro_batch_size": micro}.items() if getattr(cfg, k) != v}
+                return plan, f"{flags_for(changed)} makes it fit ({other.peak:.1f} GiB)"
+    return plan, "nothing fits on this many GPUs: add GPUs, or lower --resolution or --lora_rank"
+
+
+def flags_for(changes: dict) -> str:
+    """Command-line flags that set `changes`."""
+    words = []
+    for name, value in changes.items():
+        if isinstance(value, bool):
+            words.append(f"--{'' if value else 'no-'}{name}")
+        else:
+            words.append(f"--{name} {value}")
+    return " ".join(words)
+
+
+def check_memory_plan(cfg, family: str, world: int, gpu_gb: float | None, rank: int, prepare) -> None:
+    """At a GPU launch (gpu_gb: the device's memory; None on CPU): refuse a config whose plan does not fit, in one
+    line and before any weight is loaded."""
+    if gpu_gb is None:
+        return
+    problem = ""
+    if rank == 0:
+        try:
+            plan, advice = plan_memory(cfg, family, world, gpu_gb, prepare)
+        except runs.ConfigError as error:  # e.g. a hub id whose configs are not known offline: plan nothing, say so
+            print(f"warning: no memory plan ({error})", flush=True)
+            plan = None
+        if plan is not None and not plan.fits():
+            problem = (f"the memory plan needs {plan.peak:.1f} GiB per GPU of {gpu_gb:.0f} GiB (10% headroom kept): "
+                       f"{advice}; see python train.py --plan with the same flags")
+    problem = runs.broadcast_from_rank0(problem)
+    if problem:
+        raise runs.ConfigError(problem)

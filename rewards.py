@@ -51,6 +51,7 @@ import threading
 import time
 import unicodedata
 import urllib.parse
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Sequence
 
@@ -90,24 +91,24 @@ def normalised_pixels(pictures: list, mean: Sequence[float], std: Sequence[float
 
 
 def resize_longest_and_pad(images: torch.Tensor, image_processor: Any) -> torch.Tensor:
-    """HPSv2's evaluation transform (open_clip's image_transform with resize_longest_max, i.e. ResizeMaxSize): the
-    uint8 image's LONGEST side resized to the model's size with PIL bicubic (the other side round()ed), then padded
-    with black to a square, the extra column / row going right and bottom; no crop, no clamp; /255 and normalised
-    with the processor's mean and std. One deviation: open_clip neither resizes nor pads an image whose longest side
-    already has the size, so a non-square one would not reach the model's square input; it is padded here."""
-    from PIL import Image
-
+    """HPSv2's evaluation transform (its open_clip image_transform with resize_longest_max), in its order: the uint8
+    image to floats (ToTensor), then ResizeMaxSize on the float tensor: the LONGEST side to the model's size (the
+    other round()ed) with torchvision's tensor bicubic (align_corners False, antialias on, no clamp), padded with
+    black to a square, the extra column / row going right and bottom; then normalised with the processor's mean and
+    std. One deviation: open_clip neither resizes nor pads an image whose longest side already has the size, so a
+    non-square one would not reach the model's square input; it is padded here."""
     size = image_processor.crop_size["height"]
-    pictures = []
-    for image in to_pil(images):
-        w, h = image.size
-        if max(w, h) != size:
-            new_h, new_w = round(h * size / max(h, w)), round(w * size / max(h, w))
-            image = image.resize((new_w, new_h), Image.BICUBIC)
-        canvas = Image.new("RGB", (size, size))
-        canvas.paste(image, ((size - image.size[0]) // 2, (size - image.size[1]) // 2))
-        pictures.append(canvas)
-    return normalised_pixels(pictures, image_processor.image_mean, image_processor.image_std)
+    out = []
+    for x in torch.from_numpy(to_uint8(images)).permute(0, 3, 1, 2).float() / 255:  # the 8-bit image, as ToTensor
+        height, width = x.shape[1:]
+        scale = size / float(max(height, width))
+        if scale != 1.0:
+            new_h, new_w = (round(dim * scale) for dim in (height, width))
+            x = F.interpolate(x[None], size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)[0]
+        pad_h, pad_w = size - x.shape[1], size - x.shape[2]
+        out.append(F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0))
+    mean, std = torch.tensor(image_processor.image_mean), torch.tensor(image_processor.image_std)
+    return (torch.stack(out) - mean.view(1, 3, 1, 1)) / std.view(1, 3, 1, 1)
 
 
 # open_clip's tokenizer cleans text before BPE (basic_clean: ftfy.fix_text, html.unescape twice, strip; then
@@ -547,7 +548,363 @@ def imagereward(*, device: str = "cpu", dtype: str | torch.dtype = "float32",
 
 
 # ----------------------------------------------------------------------------------------------
-# HTTP: rewards served by another process (OCR, GenEval, UnifiedReward, or any reward here)
+# OCR: does the image show the text the prompt quotes? (Flow-GRPO's OCR reward, read with PP-OCRv4)
+
+
+def ocr_target(prompt: str, metadata: dict | None = None) -> str:
+    """The text the image must show: metadata["text"] if given, else what stands between the prompt's first two
+    double quotes (Flow-GRPO: prompt.split('"')[1])."""
+    text = (metadata or {}).get("text")
+    if text is None:
+        parts = prompt.split('"')
+        if len(parts) < 3:
+            raise ValueError(f'the ocr reward reads the text to write between double quotes in the prompt (or '
+                             f'metadata["text"]); got prompt {prompt[:200]!r}')
+        text = parts[1]
+    if not isinstance(text, str) or not text.replace(" ", ""):
+        raise ValueError(f"the ocr reward needs a non-empty text to write; got {text!r} from prompt {prompt[:200]!r}")
+    return text
+
+
+def levenshtein(a: str, b: str) -> int:
+    """Edit distance (insertions, deletions, substitutions of one character each), two-row dynamic programme."""
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        previous = current
+    return previous[-1]
+
+
+def ocr_accuracy(recognized: str, target: str) -> float:
+    """Flow-GRPO's OCR reward (flow_grpo/ocr.py), in [0, 1]: both texts lower-cased with their spaces removed; the
+    distance d is 0 if the target occurs anywhere in the recognised text, else their Levenshtein distance, clipped to
+    the target's length (unrelated extra text costs at most that); reward 1 - d / len(target)."""
+    recognized, target = recognized.replace(" ", "").lower(), target.replace(" ", "").lower()
+    distance = 0 if target in recognized else min(levenshtein(recognized, target), len(target))
+    return 1 - distance / len(target)
+
+
+def ocr(*, device: str = "cpu", threads: int = 0, min_confidence: float = 0.5) -> Reward:
+    """OCR accuracy of the quoted text (ocr_accuracy) with PP-OCRv4 detection and recognition run by onnxruntime
+    (the rapidocr_onnxruntime wheel ships the ONNX models: nothing is downloaded; no torchvision, no paddle).
+    Every line read with confidence >= min_confidence is joined in reading order, as Flow-GRPO joins PaddleOCR's
+    lines (its drop score is 0.5 too); no angle classifier, as Flow-GRPO. threads: onnxruntime threads per image
+    (0: its default). (device: unused; onnxruntime runs on the CPU.) About 0.2-0.4 s per 512 px image on one core."""
+    try:
+        from rapidocr_onnxruntime import RapidOCR
+    except ImportError:
+        raise ImportError("the ocr reward needs rapidocr_onnxruntime: pip install rapidocr_onnxruntime") from None
+    engine = RapidOCR(text_score=min_confidence, **({"intra_op_num_threads": threads} if threads else {}))
+
+    def read(image: np.ndarray) -> str:
+        # The array goes in as is: PaddleOCR and RapidOCR take (H, W, 3) uint8; Flow-GRPO passes RGB too.
+        lines, _ = engine(image, use_cls=False)
+        return "".join(text for _, text, _ in lines or [])
+
+    def reward(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        targets = [ocr_target(p, m) for p, m in zip(prompts, metadata or [None] * len(prompts))]
+        scores = [ocr_accuracy(read(image), target) for image, target in zip(to_uint8(images), targets)]
+        return torch.tensor(scores, dtype=torch.float32, device=images.device)
+
+    return reward
+
+
+# ----------------------------------------------------------------------------------------------
+# GenEval (Ghosh et al., 2023): its rules as pure functions of detections. The detector (Mask2Former, mmdet 2.x) and
+# the colour classifier (CLIP ViT-L/14) run behind `python rewards.py serve geneval` (GenEvalScorer); train.py and
+# evaluate.py reach them through the `geneval` HTTP client.
+
+GENEVAL_CLASSES = (  # COCO's 80 classes as GenEval names them (evaluation/object_names.txt), in detector order
+    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
+    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow", "elephant",
+    "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee", "skis", "snowboard",
+    "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard", "tennis racket", "bottle",
+    "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple", "sandwich", "orange", "broccoli",
+    "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch", "potted plant", "bed", "dining table", "toilet",
+    "tv", "laptop", "computer mouse", "tv remote", "computer keyboard", "cell phone", "microwave", "oven", "toaster",
+    "sink", "refrigerator", "book", "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush")
+GENEVAL_COLORS = ("red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white")
+GENEVAL_POSITIONS = ("left of", "right of", "above", "below")
+GENEVAL_NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+GENEVAL_TASKS = ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+# evaluate_images.py's defaults: detector confidence (0.9 for counting prompts), objects kept per class, the IoU
+# above which a less confident box of the same class is dropped (1: none is), and the margin of position checks as a
+# fraction of the two objects' summed sizes.
+GENEVAL_SETTINGS = dict(threshold=0.3, counting_threshold=0.9, max_objects=16, max_overlap=1.0, position_threshold=0.1)
+
+
+@dataclass
+class Detection:
+    """One detected object: box (x1, y1, x2, y2) in pixels, detector confidence, optional (H, W) bool mask, and the
+    colour the classifier gave its crop (filled in only where a prompt asks for a colour)."""
+
+    box: tuple[float, float, float, float]
+    score: float
+    mask: np.ndarray | None = None
+    color: str | None = None
+
+
+def geneval_iou(a, b) -> float:
+    """evaluate_images.compute_iou: boxes as inclusive pixel ranges (+1 on each side length)."""
+    area = lambda box: max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)  # noqa: E731
+    inter = area([max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), min(a[3], b[3])])
+    union = area(a) + area(b) - inter
+    return inter / union if union else 0
+
+
+def geneval_keep(raw: dict[str, list[Detection]], tag: str, *, threshold: float = 0.3, counting_threshold: float = 0.9,
+                 max_objects: int = 16, max_overlap: float = 1.0) -> dict[str, list[Detection]]:
+    """evaluate_image's filtering of one image's detections, class by class: confidence strictly above the
+    threshold (counting_threshold for a counting prompt), most confident first, at most max_objects, then greedy
+    suppression of boxes overlapping a kept one by IoU >= max_overlap (none at the default 1). Classes with nothing
+    left are absent."""
+    limit = counting_threshold if tag == "counting" else threshold
+    kept = {}
+    for name, found in raw.items():
+        scores = np.array([d.score for d in found], dtype=float)
+        order = np.argsort(scores)[::-1]  # as GenEval sorts, ties included
+        order = [i for i in order if scores[i] > limit][:max_objects]
+        chosen = []
+        while order:
+            best = order.pop(0)
+            chosen.append(found[best])
+            order = [i for i in order if max_overlap == 1 or geneval_iou(found[best].box, found[i].box) < max_overlap]
+        if chosen:
+            kept[name] = chosen
+    return kept
+
+
+def geneval_relations(a: Detection, b: Detection, *, position_threshold: float = 0.1) -> set[str]:
+    """evaluate_images.relative_position: where a is relative to b. The centre offset shrunk towards 0 by
+    position_threshold x the two sizes on each axis; no relation if both shrunk offsets are < 1e-3; else the shrunk
+    offset over the length of the raw one, each axis beyond 0.5 naming a relation (y grows downwards)."""
+    boxes = np.array([a.box, b.box], dtype=float)[:, :4].reshape(2, 2, 2)
+    center_a, center_b = boxes.mean(axis=-2)
+    size_a, size_b = np.abs(np.diff(boxes, axis=-2))[..., 0, :]
+    offset = center_a - center_b
+    shrunk = np.maximum(np.abs(offset) - position_threshold * (size_a + size_b), 0) * np.sign(offset)
+    if np.all(np.abs(shrunk) < 1e-3):
+        return set()
+    dx, dy = shrunk / np.linalg.norm(offset)
+    return {name for name, on in (("left of", dx < -0.5), ("right of", dx > 0.5), ("above", dy < -0.5),
+                                  ("below", dy > 0.5)) if on}
+
+
+def geneval_correct(objects: dict[str, list[Detection]], metadata: dict, *, position_threshold: float = 0.1
+                    ) -> tuple[bool, str]:
+    """GenEval's verdict on one image (evaluate_images.evaluate), the number its benchmark reports. objects: the
+    kept detections per class, most confident first (geneval_keep, colours filled in). Every "include" clause must
+    hold: at least `count` objects of its class; the first `count` of them of its colour; each of them in its
+    position relative to every object matched by the clause it names (checked only if the clause is still met).
+    Any "exclude" clause fails the image when its class has `count` or more objects. Returns (correct, reasons)."""
+    correct, reasons, matched = True, [], []
+    for req in metadata.get("include", []):
+        name, count = req["class"], req["count"]
+        found = objects.get(name, [])[:count]
+        ok = len(found) >= count
+        if not ok:
+            reasons.append(f"expected {name}>={count}, found {len(found)}")
+        else:
+            if "color" in req:
+                hits = sum(d.color == req["color"] for d in found)
+                if hits < count:
+                    ok = False
+                    reasons.append(f"expected {req['color']} {name}>={count}, found {hits} {req['color']}")
+            if "position" in req and ok:
+                relation, target = req["position"]
+                if matched[target] is None:
+                    ok = False
+                    reasons.append(f"no target for {name} to be {relation}")
+                else:
+                    for obj in found:
+                        for other in matched[target]:
+                            seen = geneval_relations(obj, other, position_threshold=position_threshold)
+                            if relation not in seen:
+                                ok = False
+                                reasons.append(f"expected {name} {relation} target, found {' and '.join(seen)} target")
+                                break
+                        if not ok:
+                            break
+        correct &= ok
+        matched.append(found if ok else None)
+    for req in metadata.get("exclude", []):
+        if len(objects.get(req["class"], [])) >= req["count"]:
+            correct = False
+            reasons.append(f"expected {req['class']}<{req['count']}, found {len(objects[req['class']])}")
+    return correct, "; ".join(reasons)
+
+
+def geneval_partial(objects: dict[str, list[Detection]], metadata: dict, *, position_threshold: float = 0.1) -> float:
+    """Flow-GRPO's training reward for GenEval prompts (its reward server's evaluate_reward), written out with its
+    quirks: the mean of one term per include clause, 1 - |count - found| / count over ALL kept objects of the class
+    (negative once found > 2 x count), then, when found == count, the colour term 1 - |count - right colour| / count
+    and for a position clause 0 for each failing pair plus 1 once checked (a failed check thus adds 0 and 1); when
+    found != count a colour or position clause adds a 0. Exclude clauses are not used. 0 without include clauses."""
+    terms, matched = [], []
+    for req in metadata.get("include", []):
+        name, count = req["class"], req["count"]
+        found = objects.get(name, [])
+        terms.append(1 - abs(count - len(found)) / count)
+        ok = len(found) == count
+        if not ok:
+            if "color" in req or "position" in req:
+                terms.append(0.0)
+        else:
+            if "color" in req:
+                hits = sum(d.color == req["color"] for d in found)
+                terms.append(1 - abs(count - hits) / count)
+                ok = hits == count
+            if "position" in req and ok:
+                relation, target = req["position"]
+                if matched[target] is None:
+                    ok = False
+                    terms.append(0.0)
+                else:
+                    for obj in found:
+                        for other in matched[target]:
+                            if relation not in geneval_relations(obj, other, position_threshold=position_threshold):
+                                ok = False
+                                terms.append(0.0)
+                                break
+                        if not ok:
+                            break
+                    terms.append(1.0)
+        matched.append(found if ok else None)
+    return sum(terms) / len(terms) if terms else 0.0
+
+
+def check_geneval_metadata(prompt: str, metadata: dict | None) -> None:
+    """The fields GenEval's rules read, with the classes, colours and positions they know."""
+    metadata = metadata or {}
+    if metadata.get("tag") not in GENEVAL_TASKS or not isinstance(metadata.get("include"), list):
+        raise ValueError(f"the geneval reward needs each prompt's GenEval metadata ('tag' in {', '.join(GENEVAL_TASKS)} "
+                         f"and an 'include' list): use --prompts geneval or a .jsonl with those fields; prompt "
+                         f"{prompt[:200]!r} has {sorted(metadata) or 'none'}")
+    for clause in metadata["include"] + metadata.get("exclude", []):
+        ok = isinstance(clause, dict) and clause.get("class") in GENEVAL_CLASSES and \
+            isinstance(clause.get("count"), int) and clause["count"] >= 1 and clause.get("color", "red") in GENEVAL_COLORS
+        position = clause.get("position") if isinstance(clause, dict) else None
+        if position is not None:
+            ok &= (isinstance(position, list) and len(position) == 2 and position[0] in GENEVAL_POSITIONS
+                   and isinstance(position[1], int) and 0 <= position[1] < metadata["include"].index(clause))
+        if not ok:
+            raise ValueError(f"prompt {prompt[:200]!r}: GenEval clause {clause!r} is not a known class with a count >= 1 "
+                             "(and a known colour / a position naming an earlier clause)")
+
+
+class GenEvalScorer:
+    """GenEval behind the reward protocol: detect -> geneval_keep -> colours of the kept objects of classes a clause
+    colours -> geneval_partial (the scores, Flow-GRPO's training reward) and geneval_correct (the accuracy GenEval
+    reports). detect(images (B, H, W, 3) uint8 RGB) -> per image {class: [Detection]}; colors(image (H, W, 3), objects,
+    class) -> one colour name per object."""
+
+    def __init__(self, detect: Callable, colors: Callable, **settings: float):
+        self.detect, self.colors = detect, colors
+        self.settings = {**GENEVAL_SETTINGS, **settings}
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> dict:
+        if metadata is None:
+            raise ValueError("GenEval needs each prompt's metadata (tag, include, exclude); send it with the request")
+        for prompt, meta in zip(prompts, metadata):
+            check_geneval_metadata(prompt, meta)
+        keep = {k: self.settings[k] for k in ("threshold", "counting_threshold", "max_objects", "max_overlap")}
+        pixels = to_uint8(images)
+        scores, accuracy, reasons = [], [], []
+        for image, raw, meta in zip(pixels, self.detect(pixels), metadata):
+            objects = geneval_keep(raw, meta["tag"], **keep)
+            for name in {c["class"] for c in meta["include"] if "color" in c and c["class"] in objects}:
+                for det, color in zip(objects[name], self.colors(image, objects[name], name)):
+                    det.color = color
+            correct, why = geneval_correct(objects, meta, position_threshold=self.settings["position_threshold"])
+            scores.append(geneval_partial(objects, meta, position_threshold=self.settings["position_threshold"]))
+            accuracy.append(float(correct))
+            reasons.append(why)
+        return {"scores": torch.tensor(scores, dtype=torch.float32), "accuracy": torch.tensor(accuracy), "reasons": reasons}
+
+
+def mmdet_detections(result) -> dict[str, list[Detection]]:
+    """One image's result of mmdet 2.x inference_detector, (per-class (n, 5) arrays [x1, y1, x2, y2, score], per-class
+    lists of (H, W) masks) or the boxes alone, as {class name: [Detection]} in the detector's order."""
+    boxes, masks = result if isinstance(result, tuple) else (result, None)
+    out = {}
+    for index, name in enumerate(GENEVAL_CLASSES):
+        rows = np.asarray(boxes[index]).reshape(-1, 5)
+        if len(rows):
+            out[name] = [Detection(tuple(row[:4].tolist()), float(row[4]), None if masks is None else np.asarray(masks[index][i]))
+                         for i, row in enumerate(rows)]
+    return out
+
+
+def mask2former_detector(config: str, checkpoint: str, device: str) -> Callable:
+    """GenEval's detector: Mask2Former Swin-S (mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco, GenEval's
+    download_models.sh) through mmdet 2.x. Images are handed over in BGR, as mmdet reads GenEval's image files."""
+    try:
+        from mmdet.apis import inference_detector, init_detector
+    except ImportError:
+        raise ImportError("GenEval's detector needs mmdet 2.x and mmcv-full in the serving environment (GenEval's "
+                          "README: mmdetection branch 2.x); the training environment only needs this server's URL") from None
+    model = init_detector(config, checkpoint, device=device)
+    return lambda images: [mmdet_detections(r) for r in inference_detector(model, [np.ascontiguousarray(i[..., ::-1]) for i in images])]
+
+
+class ClipColors:
+    """GenEval's colour check: zero-shot CLIP over GENEVAL_COLORS with its three templates per class ("a photo of a
+    {c} {class}", "a photo of a {c}-colored {class}", "a photo of a {c} object"; text embeddings normalised, averaged
+    per colour, normalised again), on each object's crop: the image composited over grey #999 outside the object's
+    mask, cropped to its box, then CLIP's shorter-side resize and centre crop. CLIP ViT-L/14 (openai) in transformers,
+    the weights GenEval loads through open_clip."""
+
+    TEMPLATES = ("a photo of a {c} {name}", "a photo of a {c}-colored {name}", "a photo of a {c} object")
+
+    def __init__(self, model: str = "openai/clip-vit-large-patch14", device: str = "cpu"):
+        from transformers import AutoProcessor, CLIPModel
+
+        self.scorer = ClipScorer(CLIPModel.from_pretrained(model), AutoProcessor.from_pretrained(model),
+                                 use_logit_scale=False, device=device, dtype=torch.float32,
+                                 preprocess=lambda images, proc: resize_shorter_and_center_crop(
+                                     images, proc.crop_size["height"], proc.image_mean, proc.image_std))
+        self.classifiers: dict[str, torch.Tensor] = {}
+
+    def classifier(self, name: str) -> torch.Tensor:
+        if name not in self.classifiers:
+            texts = [t.format(c=c, name=name) for c in GENEVAL_COLORS for t in self.TEMPLATES]
+            per_color = self.scorer.embed_texts(texts).view(len(GENEVAL_COLORS), len(self.TEMPLATES), -1).mean(1)
+            self.classifiers[name] = F.normalize(per_color, dim=-1)  # (colours, D)
+        return self.classifiers[name]
+
+    def __call__(self, image: np.ndarray, objects: list[Detection], name: str) -> list[str]:
+        crops = [geneval_crop(image, d) for d in objects]
+        logits = [self.scorer.embed_images(crop) @ self.classifier(name).T for crop in crops]
+        return [GENEVAL_COLORS[int(row.argmax())] for row in torch.cat(logits)]
+
+
+def geneval_crop(image: np.ndarray, detection: Detection) -> torch.Tensor:
+    """ImageCrops of evaluate_images.py: outside the mask the image is grey #999, then cropped to the box (PIL rounds
+    the box). (H, W, 3) uint8 -> (1, 3, h, w) floats in [0, 1]."""
+    from PIL import Image
+
+    picture = Image.fromarray(image)
+    if detection.mask is not None:
+        picture = Image.composite(picture, Image.new("RGB", picture.size, "#999"), Image.fromarray(detection.mask))
+    crop = np.asarray(picture.crop(tuple(detection.box)))
+    return torch.from_numpy(crop.copy()).permute(2, 0, 1)[None].float() / 255
+
+
+def geneval_server(*, device: str = "cpu", detector_config: str = "", detector_checkpoint: str = "",
+                   clip: str = "openai/clip-vit-large-patch14") -> GenEvalScorer:
+    """What `python rewards.py serve geneval` serves: GenEvalScorer with Mask2Former (detector_config: mmdet's
+    configs/mask2former/mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco.py; detector_checkpoint: the .pth GenEval's
+    download_models.sh fetches) and CLIP colours."""
+    if not detector_config or not detector_checkpoint:
+        raise ValueError("serve geneval needs --option detector_config=PATH --option detector_checkpoint=PATH "
+                         "(Mask2Former, as GenEval's evaluation/download_models.sh fetches it)")
+    return GenEvalScorer(mask2former_detector(detector_config, detector_checkpoint, device), ClipColors(clip, device))
+
+
+# ----------------------------------------------------------------------------------------------
+# HTTP: rewards served by another process (GenEval, UnifiedReward, or any reward here)
 
 
 def encode_png(image: np.ndarray) -> str:
@@ -583,6 +940,7 @@ class HttpReward:
             raise ValueError(f"reward server timeout {timeout} must be a finite number of seconds > 0 and retries "
                              f"{retries} at least 1")
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+        self.extras: dict[str, list] = {}
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         body = json.dumps({"images": [encode_png(a) for a in to_uint8(images)], "prompts": list(prompts),
@@ -645,17 +1003,20 @@ class HttpReward:
             connection.close()
 
     def _parse(self, payload: bytes, n: int) -> torch.Tensor:
-        """n numbers that are finite as float32 (1e39 is a finite float but inf once stored)."""
+        """n numbers that are finite as float32 (1e39 is a finite float but inf once stored). Other lists of n values
+        in the answer (GenEval's accuracy and reasons) are kept in self.extras for the evaluation."""
         try:
-            scores = json.loads(payload)["scores"]
+            answer = json.loads(payload)
+            scores = answer["scores"]
             values = [float(s) for s in scores if isinstance(s, (int, float)) and not isinstance(s, bool)]
             ok = len(payload) <= MAX_RESPONSE_BYTES and len(values) == len(scores) == n and \
                 all(abs(v) <= FLOAT32_MAX for v in values)  # also False for nan
-        except (ValueError, KeyError, TypeError, OverflowError):  # OverflowError: an integer too large for a float
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # OverflowError: an int too large
             ok = False
         if not ok:
             raise ValueError(f"malformed response from reward server {self.url}: expected "
                              f'{{"scores": [{n} numbers finite in float32]}}, got {payload[:200]!r}')
+        self.extras = {k: v for k, v in answer.items() if k != "scores" and isinstance(v, list) and len(v) == n}
         return torch.tensor(values, dtype=torch.float32)
 
 
@@ -667,6 +1028,7 @@ def http_factory(port: int, what: str) -> Callable[..., Reward]:
         return HttpReward(url, timeout=timeout, retries=retries)
 
     factory.__doc__ = f"{what}, served over HTTP (default http://127.0.0.1:{port}). (device: unused, the server owns the model.)"
+    factory.port = port  # `python rewards.py serve NAME` listens here by default
     factory.offline = True  # building it touches nothing: check_options may build one to check the values
     return factory
 
@@ -696,7 +1058,7 @@ def reward_server(reward: Reward, name: str, *, host: str = "127.0.0.1", port: i
                 request = json.loads(self.rfile.read(int(length)))
                 images = torch.stack([decode_png(data) for data in request["images"]])
                 with lock:
-                    scores = reward(images, request["prompts"], request.get("metadata"))
+                    result = reward(images, request["prompts"], request.get("metadata"))
             except (KeyError, ValueError, TypeError) as error:  # the client's fault: say what was wrong
                 self._answer(400, {"error": f"{type(error).__name__}: {error}"})
                 return
@@ -706,7 +1068,10 @@ def reward_server(reward: Reward, name: str, *, host: str = "127.0.0.1", port: i
             except Exception as error:  # the reward's fault: report it, keep serving
                 self._answer(500, {"error": f"{type(error).__name__}: {error}"})
                 return
-            self._answer(200, {"scores": scores.float().cpu().tolist()})
+            # A reward returns its scores; a served scorer may return {"scores": ..., other per-image lists}.
+            fields = result if isinstance(result, dict) else {"scores": result}
+            self._answer(200, {k: v.float().cpu().tolist() if isinstance(v, torch.Tensor) else list(v)
+                               for k, v in fields.items()})
 
         def _answer(self, code: int, obj: dict) -> None:
             body = json.dumps(obj).encode()
@@ -736,8 +1101,9 @@ REWARDS: dict[str, Callable[..., Reward]] = {
     "hpsv21": hpsv21,
     "aesthetic": aesthetic,
     "imagereward": imagereward,
-    "ocr": http_factory(18081, "OCR accuracy (1 - normalised edit distance, e.g. PaddleOCR)"),
-    "geneval": http_factory(18082, "GenEval (object detector; needs the prompt metadata)"),
+    "ocr": ocr,
+    "geneval": http_factory(18082, "GenEval (Flow-GRPO's partial credit in 'scores', GenEval's verdict in 'accuracy'; "
+                                   "needs the prompts' metadata; `python rewards.py serve geneval`)"),
     "unifiedreward": http_factory(18083, "UnifiedReward (a VLM judge)"),
     "http": http_factory(8000, "Any reward behind the HTTP protocol"),
 }
@@ -819,7 +1185,10 @@ def reward_model_bytes(name: str, dtype: str = "float32") -> int:
 
 
 # What a reward needs from every prompt, checked before training: name -> check(text, metadata), raising ValueError.
-PROMPT_CHECKS: dict[str, Callable[[str, dict], Any]] = {"color": prompt_color}
+PROMPT_CHECKS: dict[str, Callable[[str, dict], Any]] = {"color": prompt_color, "ocr": ocr_target,
+                                                        "geneval": check_geneval_metadata}
+# What `python rewards.py serve NAME` serves where it is not the REWARDS entry itself (an HTTP client there).
+SERVED: dict[str, Callable[..., Callable]] = {"geneval": geneval_server}
 
 
 def check_prompt(name: str, text: str, metadata: dict) -> None:
@@ -833,7 +1202,7 @@ def main() -> None:
     serve_cmd = sub.add_parser("serve", help="serve one reward")
     serve_cmd.add_argument("name", choices=sorted(REWARDS))
     serve_cmd.add_argument("--host", default="127.0.0.1", help="address to bind; 127.0.0.1 keeps it local")
-    serve_cmd.add_argument("--port", type=int, default=8000)
+    serve_cmd.add_argument("--port", type=int, default=None, help="default: the port the NAME client calls, else 8000")
     serve_cmd.add_argument("--timeout", type=float, default=60.0, help="seconds a client may stall a read")
     serve_cmd.add_argument("--max_request_mb", type=int, default=MAX_REQUEST_BYTES >> 20, help="largest request body")
     serve_cmd.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -849,8 +1218,13 @@ def main() -> None:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value  # a bare string such as a path
-    server = reward_server(load_reward(args.name, device=args.device, **options), args.name, host=args.host,
-                           port=args.port, timeout=args.timeout, max_request_bytes=args.max_request_mb << 20)
+    client = REWARDS[args.name]
+    if args.name not in SERVED and hasattr(client, "port"):
+        parser.error(f"{args.name} is an HTTP client here: run its own server (the protocol is in this file's docstring)")
+    served = (SERVED.get(args.name) or client)(device=args.device, **options)
+    port = getattr(client, "port", 8000) if args.port is None else args.port
+    server = reward_server(served, args.name, host=args.host, port=port, timeout=args.timeout,
+                           max_request_bytes=args.max_request_mb << 20)
     print(f"serving reward {args.name!r} on http://{args.host}:{server.server_port}", flush=True)
     try:
         server.serve_forever()

@@ -5,8 +5,11 @@ closed form, a statistical test or a second code path) or asserts a behaviour th
 implementation would not show.
 """
 
+import collections
 import contextlib
 import copy
+import functools
+import hashlib
 import io
 import json
 import math
@@ -572,7 +575,9 @@ import time  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import models  # noqa: E402
+import prompts as prompt_sets  # noqa: E402
 import rewards  # noqa: E402
+import runs  # noqa: E402
 import train  # noqa: E402
 
 
@@ -634,21 +639,21 @@ def test_clip_rewards_match_the_model_and_are_deterministic_and_order_invariant(
 
 
 def hps_reference_pixels(images, size, mean, std):
-    """HPSv2's published evaluation transform written out: open_clip's ResizeMaxSize (scale = size / longest side,
-    new (h, w) = round(dim * scale), torchvision resize of a PIL image = PIL bicubic resize, pad [pad_w // 2,
-    pad_h // 2, rest, rest] with 0) on the uint8 image, then ToTensor and Normalize."""
-    from PIL import Image, ImageOps
-
+    """HPSv2's published evaluation transform (hpsv2/src/open_clip/transform.py, image_transform with
+    resize_longest_max) written out in its order: _convert_to_rgb_or_rgba, ToTensor (the uint8 image / 255), then
+    ResizeMaxSize ON THE FLOAT TENSOR (scale = size / longest side, new (h, w) = round(dim * scale), torchvision's
+    tensor resize: bicubic, align_corners False, antialias True, no clamp for floats), F.pad [pad_w // 2, pad_h // 2,
+    rest, rest] with 0, Normalize."""
     out = []
-    for a in (images.clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy():
-        img = Image.fromarray(a)
-        width, height = img.size
+    for a in (images.clamp(0, 1) * 255).round().to(torch.uint8):
+        x = a.float() / 255  # ToTensor
+        height, width = x.shape[1:]
         scale = size / float(max(height, width))
-        new_h, new_w = round(height * scale), round(width * scale)
-        img = img.resize((new_w, new_h), Image.BICUBIC)
-        pad_h, pad_w = size - new_h, size - new_w
-        img = ImageOps.expand(img, border=(pad_w // 2, pad_h // 2, pad_w - pad_w // 2, pad_h - pad_h // 2), fill=0)
-        x = torch.from_numpy(np.array(img)).permute(2, 0, 1).float() / 255
+        if scale != 1.0:
+            new_h, new_w = (round(dim * scale) for dim in (height, width))
+            x = F.interpolate(x[None], size=(new_h, new_w), mode="bicubic", align_corners=False, antialias=True)[0]
+            pad_h, pad_w = size - new_h, size - new_w
+            x = F.pad(x, (pad_w // 2, pad_w - pad_w // 2, pad_h // 2, pad_h - pad_h // 2), value=0.0)
         out.append((x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1))
     return torch.stack(out)
 
@@ -656,14 +661,15 @@ def hps_reference_pixels(images, size, mean, std):
 @pytest.mark.parametrize("h,w", [(40, 56), (56, 40), (45, 31), (300, 200), (24, 24)])
 def test_hpsv21_preprocessing_is_hpsv2s_resize_longest_and_pad(h, w):
     """Before: centre crop on the floats, clamped: score differences up to 0.0135 on non-square images (the spread of
-    the scores was 0.017). Now the same pixels as the published transform, exactly."""
+    the scores was 0.017); then a PIL resize of the uint8 image, which rounds the pixels twice (up to 2.8e-4 in the
+    HPSv2 score on smooth images). Now the published order: the float tensor is resized, to float rounding."""
     from transformers import CLIPImageProcessorPil
 
     processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     images = smooth_images(3, h, w)
     ours = rewards.resize_longest_and_pad(images, processor)
     ref = hps_reference_pixels(images, 32, processor.image_mean, processor.image_std)
-    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)  # both are float32 bicubic of the same floats
     if h != w:  # black bars where the image does not reach: the normalised value of 0
         black = (0 - torch.tensor(processor.image_mean)) / torch.tensor(processor.image_std)
         torch.testing.assert_close(ours[:, :, 0, 0], black.expand(3, 3), rtol=0, atol=1e-6)  # a padded corner
@@ -1172,6 +1178,268 @@ def test_reward_server_serves_others_while_a_client_stalls_and_refuses_oversized
         server.server_close()
 
 
+
+# ----------------------------------------------------------------------------------------------
+# OCR reward (PP-OCRv4 through onnxruntime, the models shipped in the rapidocr_onnxruntime wheel)
+
+
+def ocr_fonts():
+    """PIL's bundled FreeType font (Aileron), and matplotlib's DejaVu faces where matplotlib is installed."""
+    from PIL import ImageFont
+
+    fonts = [lambda size: ImageFont.load_default(size=size)]
+    try:
+        import matplotlib
+
+        ttf = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+        fonts += [partial(ImageFont.truetype, str(ttf / name)) for name in ("DejaVuSerif-Bold.ttf", "DejaVuSansMono.ttf")]
+    except ImportError:
+        pass
+    return fonts
+
+
+def render_text(text, font, fg, bg, size=(512, 384)):
+    """The text centred on a plain background, as a (1, 3, H, W) image in [0, 1]."""
+    from PIL import Image, ImageDraw
+
+    picture = Image.new("RGB", size, bg)
+    draw = ImageDraw.Draw(picture)
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    draw.text(((size[0] - right + left) // 2, (size[1] - bottom + top) // 2), text, font=font, fill=fg)
+    return torch.from_numpy(np.asarray(picture).copy()).permute(2, 0, 1)[None].float() / 255
+
+
+OCR_CASES = [  # (prompt, text drawn, font index, size, foreground, background)
+    ('a storefront sign that reads "OPEN 24 HOURS"', "OPEN 24 HOURS", 0, 48, "black", "white"),
+    ('a neon sign saying "Hello World"', "Hello World", 1, 40, "white", (20, 30, 90)),
+    ('a poster that reads "Don\'t panic, 42!"', "Don't panic, 42!", 2, 36, (200, 20, 20), (250, 240, 200)),
+    ('a mug printed with "v-grpo"', "V-GRPO", 0, 64, "white", "black"),
+    ('a card with the words "see you soon" on it', "See you soon", 1, 30, (10, 90, 10), (230, 230, 230)),
+]
+
+
+@pytest.fixture(scope="module")
+def ocr_reward():
+    return rewards.load_reward("ocr")
+
+
+@pytest.mark.parametrize("prompt,drawn,font,size,fg,bg", OCR_CASES)
+def test_ocr_reward_reads_the_quoted_text_rendered_in_an_image(prompt, drawn, font, size, fg, bg, ocr_reward):
+    """Real PP-OCRv4 weights: the quoted text drawn in several fonts, sizes, colours (case and spacing may differ from
+    the prompt, as the rule ignores them) scores >= 0.9; the same image scored against another text scores low."""
+    fonts = ocr_fonts()
+    image = render_text(drawn, fonts[font % len(fonts)](size), fg, bg)
+    score = ocr_reward(image, [prompt]).item()
+    assert 0.9 <= score <= 1.0, (prompt, score)
+    assert ocr_reward(image, ['a sign that says "Quantum zebra marmalade"']).item() < 0.5
+
+
+def test_ocr_reward_is_zero_on_noise_and_blank_images_and_refuses_a_prompt_without_quotes(ocr_reward):
+    g = torch.Generator().manual_seed(0)
+    images = torch.cat([torch.rand(1, 3, 256, 256, generator=g), torch.zeros(1, 3, 256, 256), torch.ones(1, 3, 256, 256)])
+    scores = ocr_reward(images, ['a sign that says "Hello"'] * 3)
+    assert scores.dtype == torch.float32 and torch.equal(scores, torch.zeros(3))
+    assert ocr_reward(torch.rand(2, 3, 24, 40, generator=g), ['a sign that says "Hello"'] * 2).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="between double quotes"):
+        ocr_reward(images[:1], ["a sign that says hello"])
+    with pytest.raises(ValueError, match="non-empty text"):
+        ocr_reward(images[:1], ['a sign that says "  "'])
+    assert ocr_reward(images[1:2], ["no quotes here"], [{"text": "Hello"}]).item() == 0.0  # metadata["text"] wins
+
+
+def brute_levenshtein(a, b):
+    """Edit distance by its recursive definition."""
+    @functools.lru_cache(maxsize=None)
+    def d(i, j):
+        if not i or not j:
+            return i or j
+        return min(d(i - 1, j) + 1, d(i, j - 1) + 1, d(i - 1, j - 1) + (a[i - 1] != b[j - 1]))
+    return d(len(a), len(b))
+
+
+def test_ocr_accuracy_is_flow_grpos_rule():
+    """Flow-GRPO's flow_grpo/ocr.py, case by case: lower-case, spaces removed, 0 if the target is inside what was read,
+    else the edit distance clipped to the target's length, reward 1 - d / len."""
+    cases = {("Hello World", "hello world"): 1.0,  # case and spaces do not count
+             ("a big HELLOWORLD sign", "Hello World"): 1.0,  # the target inside more text
+             ("helo world", "Hello World"): 1 - 1 / 10,  # one deletion
+             ("hellp world", "Hello World"): 1 - 1 / 10,  # one substitution
+             ("", "Hello"): 0.0, ("zzzzzzzzzzzz", "ab"): 0.0,  # distance clipped at the target's length
+             ("abx", "abc"): 1 - 1 / 3}
+    for (read, target), expected in cases.items():
+        assert rewards.ocr_accuracy(read, target) == pytest.approx(expected, abs=1e-12), (read, target)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a, b = ("".join(rng.choice(list("abc "), size=rng.integers(0, 9))) for _ in range(2))
+        assert rewards.levenshtein(a, b) == brute_levenshtein(a, b)
+    assert rewards.ocr_target('A sign "one" and "two"') == "one"  # Flow-GRPO: prompt.split('"')[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# GenEval: its rules on hand-built detections (evaluate_images.py's evaluate, Flow-GRPO's evaluate_reward)
+
+
+def det(x1, y1, x2, y2, score=0.95, color=None):
+    return rewards.Detection((x1, y1, x2, y2), score, None, color)
+
+
+def test_geneval_keep_thresholds_sorts_limits_and_suppresses_as_the_published_script():
+    raw = {"dog": [det(0, 0, 10, 10, 0.3), det(0, 0, 10, 10, 0.31), det(50, 50, 60, 60, 0.8)], "cat": [det(0, 0, 5, 5, 0.2)]}
+    kept = rewards.geneval_keep(raw, "single_object")
+    assert [d.score for d in kept["dog"]] == [0.8, 0.31] and "cat" not in kept  # strictly above 0.3, most confident first
+    assert "dog" not in rewards.geneval_keep(raw, "counting")  # counting prompts: 0.9
+    many = {"cup": [det(i, 0, i + 5, 5, 0.5 + i / 1000) for i in range(20)]}
+    assert len(rewards.geneval_keep(many, "two_object")["cup"]) == 16  # max_objects
+    overlapping = {"cup": [det(0, 0, 10, 10, 0.9), det(1, 0, 11, 10, 0.8), det(30, 30, 40, 40, 0.7)]}
+    assert len(rewards.geneval_keep(overlapping, "two_object")["cup"]) == 3  # max_overlap 1: no suppression
+    assert [d.score for d in rewards.geneval_keep(overlapping, "two_object", max_overlap=0.5)["cup"]] == [0.9, 0.7]
+    # compute_iou counts pixels inclusively: boxes 0..10 and 1..11 share 10 of 11 columns
+    assert rewards.geneval_iou((0, 0, 10, 10), (1, 0, 11, 10)) == pytest.approx(110 / 132)
+
+
+def test_geneval_positions_shrink_the_offset_by_the_object_sizes():
+    a, b = det(0, 40, 20, 60), det(90, 40, 110, 60)  # centres 100 apart horizontally, sizes 20
+    assert rewards.geneval_relations(a, b) == {"left of"} and rewards.geneval_relations(b, a) == {"right of"}
+    assert rewards.geneval_relations(det(40, 0, 60, 20), det(40, 90, 60, 110)) == {"above"}  # y grows downwards
+    # diagonal: shrunk offset (-96, -96) over the raw length 141: both components beyond 0.5 in size
+    assert rewards.geneval_relations(det(0, 0, 20, 20), det(100, 100, 120, 120)) == {"left of", "above"}
+    # overlapping large boxes: the margin 0.1 x (100 + 100) swallows a centre offset of 10: no relation at all
+    assert rewards.geneval_relations(det(0, 0, 100, 100), det(10, 0, 110, 100)) == set()
+    # mostly vertical offset: dx = -6/60.3 is not a relation, dy is
+    assert rewards.geneval_relations(det(0, 0, 10, 10), det(6, 60, 16, 70)) == {"above"}
+
+
+GENEVAL_RULE_CASES = [
+    # (metadata, objects, correct, Flow-GRPO's partial score)
+    ({"tag": "single_object", "include": [{"class": "dog", "count": 1}]}, {"dog": [det(0, 0, 9, 9)]}, True, 1.0),
+    ({"tag": "single_object", "include": [{"class": "dog", "count": 1}]}, {"cat": [det(0, 0, 9, 9)]}, False, 0.0),
+    # two dogs for "a dog": GenEval counts at least 1 (correct); Flow-GRPO's score wants exactly 1: 1 - 1/1 = 0
+    ({"tag": "single_object", "include": [{"class": "dog", "count": 1}]}, {"dog": [det(0, 0, 9, 9), det(20, 0, 29, 9)]},
+     True, 0.0),
+    ({"tag": "two_object", "include": [{"class": "dog", "count": 1}, {"class": "cat", "count": 1}]},
+     {"dog": [det(0, 0, 9, 9)]}, False, 0.5),
+    ({"tag": "counting", "include": [{"class": "cup", "count": 3}], "exclude": [{"class": "cup", "count": 4}]},
+     {"cup": [det(10 * i, 0, 10 * i + 5, 5) for i in range(3)]}, True, 1.0),
+    ({"tag": "counting", "include": [{"class": "cup", "count": 3}], "exclude": [{"class": "cup", "count": 4}]},
+     {"cup": [det(10 * i, 0, 10 * i + 5, 5) for i in range(4)]}, False, 1 - 1 / 3),  # the exclude clause fails it
+    ({"tag": "counting", "include": [{"class": "cup", "count": 2}], "exclude": [{"class": "cup", "count": 3}]},
+     {"cup": [det(10 * i, 0, 10 * i + 5, 5) for i in range(5)]}, False, 1 - 3 / 2),  # negative, as Flow-GRPO's
+    ({"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}]},
+     {"car": [det(0, 0, 9, 9, 0.9, "red"), det(20, 0, 29, 9, 0.8, "blue")]}, True, 0.0),  # 2nd car: not checked by GenEval
+    ({"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}]},
+     {"car": [det(0, 0, 9, 9, 0.9, "blue"), det(20, 0, 29, 9, 0.8, "red")]}, False, 0.0),  # the most confident decides
+    ({"tag": "colors", "include": [{"class": "car", "count": 1, "color": "red"}]},
+     {"car": [det(0, 0, 9, 9, 0.9, "red")]}, True, 1.0),
+    ({"tag": "position", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["left of", 0]}]},
+     {"cat": [det(90, 40, 110, 60)], "dog": [det(0, 40, 20, 60)]}, True, 1.0),
+    # relation fails: GenEval says no; Flow-GRPO's terms are [1, 1, 0, 1] (its failed check adds 0 and then 1)
+    ({"tag": "position", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["right of", 0]}]},
+     {"cat": [det(90, 40, 110, 60)], "dog": [det(0, 40, 20, 60)]}, False, 0.75),
+    # no target object: the position clause cannot be checked: [0 (cat), 1 (dog), 0 (no target)]
+    ({"tag": "position", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["left of", 0]}]},
+     {"dog": [det(0, 40, 20, 60)]}, False, 1 / 3),
+    ({"tag": "color_attr", "include": [{"class": "bus", "count": 1, "color": "yellow"}, {"class": "tie", "count": 1, "color": "green"}]},
+     {"bus": [det(0, 0, 50, 50, 0.9, "yellow")], "tie": [det(60, 0, 70, 30, 0.9, "yellow")]}, False, 0.75),
+]
+
+
+@pytest.mark.parametrize("metadata,objects,correct,partial_score", GENEVAL_RULE_CASES)
+def test_geneval_rules_on_hand_built_detections(metadata, objects, correct, partial_score):
+    verdict, reasons = rewards.geneval_correct(objects, metadata)
+    assert verdict == correct and bool(reasons) == (not correct)
+    assert rewards.geneval_partial(objects, metadata) == pytest.approx(partial_score, abs=1e-12)
+
+
+def test_geneval_metadata_is_checked_before_training():
+    rewards.check_prompt("geneval", "a photo of a dog", {"tag": "single_object", "include": [{"class": "dog", "count": 1}]})
+    for bad in ({}, {"tag": "single_object"}, {"tag": "nonsense", "include": []},
+                {"tag": "single_object", "include": [{"class": "unicorn", "count": 1}]},
+                {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "teal"}]},
+                {"tag": "position", "include": [{"class": "dog", "count": 1, "position": ["left of", 0]}]}):
+        with pytest.raises(ValueError, match="geneval|GenEval"):
+            rewards.check_prompt("geneval", "a photo", bad)
+
+
+def stub_geneval_scorer():
+    """GenEvalScorer with a stand-in detector (a 'dog' box on the left half whose confidence is the image's mean red,
+    a 'cat' box on the right half with the mean blue) and colours named by the crop's strongest channel."""
+    def detect(images):
+        return [{"dog": [rewards.Detection((0, 0, image.shape[1] / 2 - 1, image.shape[0] - 1), float(image[..., 0].mean() / 255))],
+                 "cat": [rewards.Detection((image.shape[1] / 2, 0, image.shape[1] - 1, image.shape[0] - 1),
+                                           float(image[..., 2].mean() / 255))]} for image in images]
+
+    def colors(image, objects, name):
+        crops = [rewards.geneval_crop(image, d)[0].mean((1, 2)) for d in objects]
+        return [("red", "green", "blue")[int(c.argmax())] for c in crops]
+
+    return rewards.GenEvalScorer(detect, colors, threshold=0.2)
+
+
+def test_geneval_scorer_served_over_http_returns_scores_and_accuracy():
+    scorer = stub_geneval_scorer()
+    server = rewards.reward_server(scorer, "geneval", port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = rewards.load_reward("geneval", url=f"http://127.0.0.1:{server.server_port}")
+        images = torch.zeros(3, 3, 32, 32)
+        images[0, 0] = 1.0  # red: a red dog on the left, no cat
+        images[1, 2] = 1.0  # blue: a cat only
+        images[2, 0], images[2, 2] = 0.8, 0.8  # both, magenta-ish: left dog red (ties go to red), right cat red
+        meta = [{"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "red"}]},
+                {"tag": "single_object", "include": [{"class": "dog", "count": 1}]},
+                {"tag": "position", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["left of", 0]}]}]
+        scores = client(images, [m["tag"] for m in meta], meta)
+        assert scores.tolist() == [1.0, 0.0, 1.0] and client.extras["accuracy"] == [1.0, 0.0, 1.0]
+        assert len(client.extras["reasons"]) == 3 and "expected dog>=1" in client.extras["reasons"][1]
+        direct = scorer(images, ["x"] * 3, meta)
+        assert direct["scores"].tolist() == scores.tolist()
+        with pytest.raises(RuntimeError, match="400"):  # no metadata: the server says so
+            client(images, ["x"] * 3)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_mmdet_results_become_detections_per_class():
+    boxes = [np.zeros((0, 5)) for _ in rewards.GENEVAL_CLASSES]
+    boxes[rewards.GENEVAL_CLASSES.index("dog")] = np.array([[1, 2, 3, 4, 0.9], [5, 6, 7, 8, 0.4]])
+    masks = [[] for _ in rewards.GENEVAL_CLASSES]
+    masks[rewards.GENEVAL_CLASSES.index("dog")] = [np.ones((10, 10), bool), np.zeros((10, 10), bool)]
+    found = rewards.mmdet_detections((boxes, masks))
+    assert list(found) == ["dog"] and [d.box for d in found["dog"]] == [(1, 2, 3, 4), (5, 6, 7, 8)]
+    assert [d.score for d in found["dog"]] == [0.9, 0.4] and found["dog"][0].mask.all()
+    assert rewards.mmdet_detections(boxes)["dog"][1].mask is None
+
+
+def test_geneval_crop_greys_out_what_the_mask_leaves_out_and_crops_to_the_box():
+    image = np.full((8, 8, 3), 200, np.uint8)
+    mask = np.zeros((8, 8), bool)
+    mask[2:4, 2:4] = True
+    crop = rewards.geneval_crop(image, rewards.Detection((1, 1, 5, 5), 0.9, mask))
+    assert crop.shape == (1, 3, 4, 4)
+    expected = torch.full((3, 4, 4), 0x99 / 255)
+    expected[:, 1:3, 1:3] = 200 / 255
+    torch.testing.assert_close(crop[0], expected)
+
+
+def test_clip_colour_classifier_is_zero_shot_over_the_templates(tiny_clip_dir, monkeypatch):
+    """The colour of a crop is the argmax of its CLIP image embedding against each colour's averaged, normalised
+    template embeddings (clip_benchmark's zero_shot_classifier), computed here by hand from the same model."""
+    colors = rewards.ClipColors(str(tiny_clip_dir))
+    image = (smooth_images(1, 40, 40, seed=3)[0].permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+    objects = [rewards.Detection((0, 0, 20, 40), 0.9), rewards.Detection((10, 5, 40, 30), 0.9)]
+    got = colors(image, objects, "dog")
+    scorer = colors.scorer
+    for obj, name in zip(objects, got):
+        crop = rewards.geneval_crop(image, obj)
+        weights = []
+        for c in rewards.GENEVAL_COLORS:
+            texts = [t.format(c=c, name="dog") for t in rewards.ClipColors.TEMPLATES]
+            weights.append(F.normalize(scorer.embed_texts(texts).mean(0), dim=-1))
+        logits = scorer.embed_images(crop) @ torch.stack(weights).T
+        assert name == rewards.GENEVAL_COLORS[int(logits.argmax())]
+
+
 # ----------------------------------------------------------------------------------------------
 # train.py
 
@@ -1490,7 +1758,7 @@ def plant_pickle(checkpoint, marker):
             return os.system, (f"touch {marker}",)
 
     (checkpoint / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    (checkpoint / train.MANIFEST).write_text(json.dumps(train.manifest(checkpoint)))
+    (checkpoint / runs.MANIFEST).write_text(json.dumps(runs.manifest(checkpoint)))
 
 
 def flip_bytes(path):
@@ -1503,7 +1771,7 @@ TAMPERING = {
     "flipped bytes": (lambda ckpt, marker: flip_bytes(next(ckpt.glob("*.distcp"))), "differ from"),
     "truncated shard": (lambda ckpt, marker: os.truncate(next(ckpt.glob("*.distcp")), 100), "differ from"),
     "removed rng file": (lambda ckpt, marker: (ckpt / "rng-rank0.pt").unlink(), "rng-rank0.pt differ from"),
-    "no manifest": (lambda ckpt, marker: (ckpt / train.MANIFEST).unlink(), "manifest.json is missing"),
+    "no manifest": (lambda ckpt, marker: (ckpt / runs.MANIFEST).unlink(), "manifest.json is missing"),
     "planted pickle": (plant_pickle, "system is not part of a checkpoint's metadata"),
     "latest outside": (lambda ckpt, marker: (ckpt.parent / "latest").write_text("../../elsewhere"), "not an iter-NNNNNN"),
 }
@@ -1530,7 +1798,7 @@ def test_checkpoint_unpickler_reads_what_dcp_writes(sd3_run):
     pickle's reading of it."""
     path = sd3_run / "checkpoints" / "iter-000001" / ".metadata"
     with open(path, "rb") as file:
-        safe = train.CheckpointUnpickler(file).load()
+        safe = runs.CheckpointUnpickler(file).load()
     assert safe.state_dict_metadata.keys() == pickle.loads(path.read_bytes()).state_dict_metadata.keys()
     assert any(k.startswith("optim.state.") for k in safe.state_dict_metadata)
 
@@ -1540,20 +1808,20 @@ def test_export_replaces_final_only_when_the_new_one_is_whole(tiny_dirs, tmp_pat
     final/*.safetensors until a resume rewrote it)."""
     model = train.load_pipeline(train.Config(model=str(tiny_dirs / "sd3")), "sd3", torch.device("cpu"), torch.float32)
     train.make_trainable(model.transformer, train.Config())
-    train.export_final(tmp_path / "final", model, lora=True, rank=0)
+    runs.export_final(tmp_path / "final", model, lora=True, rank=0)
     before = (tmp_path / "final" / "pytorch_lora_weights.safetensors").read_bytes()
-    real_write = train.write_export
+    real_write = runs.write_export
 
     def crash_midway(out, *args):
         real_write(out, *args)
         os.truncate(out / "pytorch_lora_weights.safetensors", 100)
         raise KeyboardInterrupt  # killed before the rename
 
-    monkeypatch.setattr(train, "write_export", crash_midway)
+    monkeypatch.setattr(runs, "write_export", crash_midway)
     with torch.no_grad():
         next(p for p in model.transformer.parameters() if p.requires_grad).add_(1)
     with pytest.raises(KeyboardInterrupt):
-        train.export_final(tmp_path / "final", model, lora=True, rank=0)
+        runs.export_final(tmp_path / "final", model, lora=True, rank=0)
     assert (tmp_path / "final" / "pytorch_lora_weights.safetensors").read_bytes() == before
 
 
@@ -1584,6 +1852,244 @@ def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     assert len(records) == 128 and len({(r["prompt"], r["noise_index"]) for r in records}) == 128
     first, last = np.mean([m["reward_mean"] for m in metrics[:5]]), np.mean([m["reward_mean"] for m in metrics[-10:]])
     assert last > first, (first, last)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# prompts.py: named sets
+
+
+def test_geneval_test_split_is_genevals_own_evaluation_set():
+    """GenEval's create_prompts.py written out gives its published prompts/evaluation_metadata.jsonl byte for byte:
+    the sha256 below is that file's (djghosh13/geneval), 553 records."""
+    records = [p.metadata for p in prompt_sets.load("geneval:test")]
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    assert len(records) == 553
+    assert hashlib.sha256(text.encode()).hexdigest() == "5c48e0813e812e3c373fa5c8ed07a8f0a483be30272b4427b0559c8048e67c13"
+
+
+def test_geneval_train_split_has_every_task_and_no_test_prompt_beyond_single_objects():
+    train_set = prompt_sets.load("geneval")
+    test_texts = {p.text for p in prompt_sets.load("geneval:test") if p.metadata["tag"] != "single_object"}
+    tags = collections.Counter(p.metadata["tag"] for p in train_set)
+    assert set(tags) == set(rewards.GENEVAL_TASKS) and min(tags.values()) > 1000
+    assert not test_texts & {p.text for p in train_set}
+    for p in train_set[::97]:
+        rewards.check_prompt("geneval", p.text, p.metadata)
+
+
+def test_ocr_sets_quote_a_text_and_share_none_between_train_and_test():
+    train_set, test_set = prompt_sets.load("ocr"), prompt_sets.load("ocr:test")
+    assert (len(train_set), len(test_set)) == (20_000, 1000)
+    for p in train_set[::50] + test_set[::10]:
+        assert rewards.ocr_target(p.text) == rewards.ocr_target(p.text, p.metadata) == p.metadata["text"]
+    norm = lambda ps: {p.metadata["text"].lower() for p in ps}  # noqa: E731
+    assert not norm(train_set) & norm(test_set)
+
+
+def fake_hub_cache(root, repo, revision, files: dict):
+    """The layout huggingface_hub's cache has after a download (datasets--ORG--NAME/snapshots/REVISION/FILE)."""
+    snapshot = root / f"datasets--{repo.replace('/', '--')}" / "snapshots" / revision
+    for name, data in files.items():
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        (snapshot / name).write_bytes(data)
+    return root
+
+
+@pytest.fixture
+def hub_mirror(tmp_path, monkeypatch):
+    """A local mirror of the hub files the named sets read, served through huggingface_hub's own cache lookup (no
+    network: HF_HUB_OFFLINE), in the format each dataset publishes."""
+    import huggingface_hub.constants
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def parquet(captions):
+        buffer = io.BytesIO()
+        pq.write_table(pa.table({"caption": captions, "other": list(range(len(captions)))}), buffer)
+        return buffer.getvalue()
+
+    repo, revision = prompt_sets.HPDV2
+    fake_hub_cache(tmp_path, repo, revision, {
+        "train.json": json.dumps([{"prompt": "a cat", "image_path": ["1.jpg"]}, {"prompt": " a cat "},
+                                  {"prompt": "a dog on a hill"}]).encode(),
+        "test.json": json.dumps([{"prompt": f"test prompt {i}", "rank": [0, 1]} for i in range(4)]).encode(),
+        "benchmark/drawbench.json": json.dumps(["A red colored car.", "A bird scaring a scarecrow."]).encode()})
+    repo, revision = prompt_sets.PICKAPIC
+    fake_hub_cache(tmp_path, repo, revision, {
+        "data/test_unique-00000-of-00001-73a51cbb6488571d.parquet": parquet(["a castle", "a boat", "a castle"]),
+        "data/train-00000-of-00001-b138676ed2d1f52a.parquet": parquet(["a castle", "a wizard", "", "a wizard", "a moon"])})
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    return tmp_path
+
+
+def test_hub_sets_are_read_from_the_hub_cache_and_converted_to_prompts(hub_mirror):
+    said = []
+    texts = lambda spec: [p.text for p in prompt_sets.load(spec, say=said.append)]  # noqa: E731
+    assert texts("hpdv2") == ["a cat", "a dog on a hill"]  # stripped, first occurrence of each
+    assert texts("hpdv2:test") == [f"test prompt {i}" for i in range(4)]
+    assert texts("drawbench:test") == ["A red colored car.", "A bird scaring a scarecrow."]
+    assert texts("pickapic:test") == ["a castle", "a boat"]
+    assert texts("pickapic") == ["a wizard", "a moon"]  # train minus test, no empty caption
+    assert all("licence" in line and "prompts from hub dataset" in line for line in said)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("nonsense", "neither a prompt file .* nor a named set"),
+    ("drawbench:train", "has no 'train' split; it has test"),
+    ("ocr:validation", "has no 'validation' split"),
+])
+def test_bad_prompt_set_names_are_one_line(spec, message):
+    with pytest.raises(runs.ConfigError, match=message):
+        prompt_sets.load(spec)
+
+
+def test_offline_without_the_file_or_with_a_corrupt_one_is_one_line(hub_mirror):
+    repo, revision = prompt_sets.HPDV2
+    test_file = hub_mirror / f"datasets--{repo.replace('/', '--')}" / "snapshots" / revision / "test.json"
+    test_file.write_text('[{"prompt": "trunc')
+    with pytest.raises(runs.ConfigError, match="cannot be read .*delete it and run again"):
+        prompt_sets.load("hpdv2:test")
+    test_file.unlink()
+    with pytest.raises(runs.ConfigError, match=r"needs test.json of the hub dataset ymhao/HPDv2 .*python prompts.py hpdv2:test"):
+        prompt_sets.load("hpdv2:test")
+
+
+def test_train_runs_ocr_on_the_ocr_set_and_logs_finite_ocr_rewards(tiny_dirs, tmp_path):
+    """The done-when of the OCR task on a fresh clone: it runs and evaluates offline (a 32 px model writes nothing
+    legible, so the rewards are near 0, but finite)."""
+    run_dir = tmp_path / "ocr"
+    result = run_train("--model", str(tiny_dirs / "sd3"), "--prompts", "ocr", "--rewards", "ocr", "--iterations", "1",
+                       "--num_prompts", "2", "--group_size", "2", "--micro_batch_size", "2", "--eval_samples", "4",
+                       "--eval_every", "1", "--run_dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "prompts: ocr:train, 20000 prompts" in result.stdout and "prompts: ocr:test, 1000 prompts" in result.stdout
+    line = read_metrics(run_dir)[0]
+    assert 0 <= line["reward/ocr_mean"] <= 1 and 0 <= line["eval/ocr_mean"] <= 1
+    samples = json.loads((run_dir / "samples" / "iter-000000.json").read_text())
+    assert all('"' in s["prompt"] for s in samples)  # evaluated on the test split's quoted texts
+
+
+def test_train_runs_geneval_through_a_detector_server(tiny_dirs, tmp_path):
+    server = rewards.reward_server(stub_geneval_scorer(), "geneval", port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        run_dir = tmp_path / "geneval"
+        options = json.dumps({"geneval": {"url": f"http://127.0.0.1:{server.server_port}"}})
+        result = run_train("--model", str(tiny_dirs / "sd3"), "--prompts", "geneval", "--rewards", "geneval",
+                           "--reward_options", options, "--iterations", "1", "--num_prompts", "2", "--group_size", "2",
+                           "--micro_batch_size", "2", "--eval_samples", "4", "--eval_every", "1", "--run_dir", str(run_dir))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    line = read_metrics(run_dir)[0]
+    assert math.isfinite(line["reward/geneval_mean"]) and math.isfinite(line["eval/geneval_mean"])
+
+
+def test_a_reward_the_prompts_cannot_feed_is_refused_before_loading(tmp_path):
+    (tmp_path / "plain.txt").write_text("a photo of a dog\n")
+    for argv, message in [(["--prompts", str(tmp_path / "plain.txt"), "--rewards", "ocr"], "between double quotes"),
+                          (["--prompts", str(tmp_path / "plain.txt"), "--rewards", "geneval"], "GenEval metadata")]:
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# evaluate.py
+
+
+def run_evaluate(*args, nproc=0, timeout=600):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc \
+        else [sys.executable]
+    return subprocess.run([*launcher, str(ROOT / "evaluate.py"), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+def test_evaluate_scores_base_run_and_export_side_by_side(sd3_run, tmp_path):
+    """The same prompts and noise for every row: the exported LoRA scores exactly as the run's checkpoint, the base
+    differently; the table has a 95% interval per reward; two processes give the same scores as one."""
+    args = ["--runs", str(sd3_run), "--loras", str(sd3_run / "final"), "--rewards", "color,jpeg_compressibility",
+            "--max_prompts", "6", "--samples_per_prompt", "2"]
+    one = run_evaluate(*args, "--out", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stderr[-2000:]
+    result = json.loads((tmp_path / "one" / "eval.json").read_text())
+    rows = result["rows"]
+    assert list(rows) == ["base", f"run:{sd3_run}", f"lora:{sd3_run / 'final'}"]
+    run, lora, base = rows[f"run:{sd3_run}"], rows[f"lora:{sd3_run / 'final'}"], rows["base"]
+    assert len(run["scores"]["color"]) == 12 and run["scores"] == lora["scores"]
+    assert base["scores"]["color"] != run["scores"]["color"]
+    per_prompt = np.asarray(run["scores"]["color"]).reshape(6, 2).mean(1)
+    assert run["metrics"]["color"]["mean"] == pytest.approx(per_prompt.mean())
+    assert run["metrics"]["color"]["ci95"] == pytest.approx(1.96 * per_prompt.std(ddof=1) / math.sqrt(6))
+    table = (tmp_path / "one" / "table.md").read_text()
+    assert table.count("\n| ") == 3 and "±" in table and table.splitlines()[0] in one.stdout
+    assert (tmp_path / "one" / "grid.png").stat().st_size > 0
+    two = run_evaluate(*args, "--out", str(tmp_path / "two"), nproc=2)
+    assert two.returncode == 0, two.stderr[-2000:]
+    rows_two = json.loads((tmp_path / "two" / "eval.json").read_text())["rows"]
+    for name in rows:
+        for reward in ("color", "jpeg_compressibility"):
+            np.testing.assert_allclose(rows_two[name]["scores"][reward], rows[name]["scores"][reward], atol=1e-5)
+
+
+def test_evaluate_reports_genevals_accuracy_per_task(sd3_run, tmp_path):
+    server = rewards.reward_server(stub_geneval_scorer(), "geneval", port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        options = json.dumps({"geneval": {"url": f"http://127.0.0.1:{server.server_port}"}})
+        result = run_evaluate("--runs", str(sd3_run), "--no-base", "--prompts", "geneval", "--rewards", "geneval",
+                              "--reward_options", options, "--max_prompts", "200", "--out", str(tmp_path / "g"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "g" / "eval.json").read_text())["rows"]
+    row = rows[f"run:{sd3_run}"]
+    accuracy, tags = row["extras"]["geneval"]["accuracy"], [p.metadata["tag"] for p in prompt_sets.load("geneval:test")[:200]]
+    tasks = {t: np.mean([a for a, tag in zip(accuracy, tags) if tag == t]) for t in set(tags)}
+    assert row["metrics"]["geneval accuracy"]["tasks"] == pytest.approx(tasks)
+    assert row["metrics"]["geneval accuracy"]["mean"] == pytest.approx(np.mean(list(tasks.values())))
+    assert "geneval accuracy per task" in (tmp_path / "g" / "table.md").read_text()
+
+
+def test_evaluate_at_real_width_in_bf16_scores_base_against_a_lora(real_dirs, tmp_path):
+    """SD3.5-Medium's real widths, 2 blocks, bf16 compute: one prompt, the base and an exported LoRA whose B
+    matrices were moved away from zero, so their samples must differ."""
+    model = train.load_pipeline(train.Config(model=str(real_dirs / "sd3.5-medium"), lora_alpha=64),
+                                "sd3", torch.device("cpu"), torch.float32)
+    train.make_trainable(model.transformer, train.Config())
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(0))
+    runs.write_export(tmp_path / "lora", model, {k: v for k, v in model.transformer.state_dict().items()}, lora=True)
+    (tmp_path / "one.txt").write_text("a red car\n")
+    result = run_evaluate("--model", str(real_dirs / "sd3.5-medium"), "--loras", str(tmp_path / "lora"), "--prompts",
+                          str(tmp_path / "one.txt"), "--rewards", "color,jpeg_compressibility", "--dtype", "bfloat16",
+                          "--resolution", "32", "--max_sequence_length", "4", "--sampling_steps", "2",
+                          "--out", str(tmp_path / "e"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "e" / "eval.json").read_text())["rows"]
+    assert json.loads((tmp_path / "e" / "eval.json").read_text())["settings"]["dtype"] == "bfloat16"
+    base, lora = rows["base"]["scores"], rows[f"lora:{tmp_path / 'lora'}"]["scores"]
+    assert all(math.isfinite(v) for s in (base, lora) for vs in s.values() for v in vs)
+    assert base["jpeg_compressibility"] != lora["jpeg_compressibility"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--runs", "/nonexistent"], "no checkpoint there"),
+    (["--loras", "/nonexistent"], "no pytorch_lora_weights.safetensors"),
+    (["--no-base"], "nothing to evaluate"),
+    (["--samples_per_prompt", "0"], "must be >= 1"),
+    (["--prompts", "drawbench:train"], "no 'train' split"),
+    (["--rewards", "nonsense"], "unknown reward"),
+])
+def test_evaluate_bad_input_is_one_line(argv, message):
+    result = run_evaluate(*argv)
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1904,9 +2410,10 @@ def test_cond_like_is_shaped_like_encode(family):
 def test_gpu_launch_refuses_a_plan_that_does_not_fit_before_loading(monkeypatch):
     monkeypatch.setattr(train, "load_pipeline", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = train.Config(micro_batch_size=4)
-    with pytest.raises(train.ConfigError, match="the memory plan needs .* GiB per GPU of 0 GiB"):
-        train.check_memory_plan(cfg, "sd3", 1, 1e-3, rank=0)
-    train.check_memory_plan(cfg, "sd3", 1, 80.0, rank=0)  # the tiny model fits anything
+    prepare = partial(train.make_trainable, cfg=cfg)
+    with pytest.raises(runs.ConfigError, match="the memory plan needs .* GiB per GPU of 0 GiB"):
+        models.check_memory_plan(cfg, "sd3", 1, 1e-3, rank=0, prepare=prepare)
+    models.check_memory_plan(cfg, "sd3", 1, 80.0, rank=0, prepare=prepare)  # the tiny model fits anything
 
 
 def test_training_turns_off_cudnn_attention_before_any_model_runs(tmp_path, monkeypatch):
@@ -1915,7 +2422,7 @@ def test_training_turns_off_cudnn_attention_before_any_model_runs(tmp_path, monk
     class Stop(Exception):
         pass
 
-    monkeypatch.setattr(train, "check_memory_plan", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    monkeypatch.setattr(models, "check_memory_plan", lambda *a, **k: (_ for _ in ()).throw(Stop()))
     enabled = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(True)
     try:

@@ -1,15 +1,21 @@
-"""train.py: V-GRPO for diffusers flow-matching models (SD3 / SD3.5, FLUX.1), one process or torchrun + FSDP2.
+"""train.py: V-GRPO for diffusers flow-matching models, one process or torchrun + FSDP2.
 
 Algorithm 1 of Tang et al., "Online Reinforcement Learning for Denoising Generative Models Is
 Easier than You Think" (arXiv 2604.23380); every equation lives in vgrpo.py, this file is the driver.
+Models: SD3 / SD3.5, FLUX.1, Qwen-Image and FLUX.2 [klein] (one adapter each in models.py).
 
-    python train.py                                   # tiny SD3-family model built from configs: CPU, offline, minutes
+    python train.py                                   # tiny SD3 built from configs: CPU, offline, minutes
     python train.py --model DIR_OR_HUB_ID --prompts prompts.txt --rewards pickscore:1,hpsv21:1
-    torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic.txt   # paper: SD3.5-M stage 1
-    torchrun --nproc_per_node=8 train.py --preset flux --prompts hpdv2.txt       # paper: FLUX.1-dev
-    torchrun --nproc_per_node=8 train.py --resume runs/NAME                     # continue from the last checkpoint
+    torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic      # paper: SD3.5-M stage 1
+    torchrun --nproc_per_node=8 train.py --preset flux --prompts hpdv2          # paper: FLUX.1-dev
+    torchrun --nproc_per_node=8 train.py --resume runs/NAME                    # continue from the last checkpoint
     python train.py --preset flux --plan --plan_world_size 8 --plan_gpu_gb 80  # memory per GPU, before loading anything
+    python evaluate.py --runs runs/NAME --prompts drawbench                     # base vs trained on a benchmark
     python train.py --help                            # every option, with its default
+
+Where things live: vgrpo.py the method; models.py the model families and the memory plan; rewards.py the rewards;
+prompts.py the prompt files and named sets; runs.py the run directory (checkpoints, export, metrics, samples) and the
+errors a user can fix; evaluate.py the evaluation command. This file: the config, Algorithm 1, and main.
 
 Data parallelism: the num_prompts groups of an iteration are split over the ranks as WHOLE groups, so
 a group's G samples and its shared (t, eps) pairs live on one rank. Rewards are all-gathered before
@@ -24,17 +30,14 @@ old-policy pass and the first gradient pass agree exactly.
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import math
 import os
-import pickle
 import re
-import resource
-import shutil
 import signal
 import sys
-import textwrap
 import time
 import types
 import typing
@@ -46,13 +49,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import StorageMeta
 from tqdm import tqdm
 
 import models
+import prompts as prompt_sets
 import rewards
+import runs
 import vgrpo
+from prompts import Prompt
+from runs import ConfigError, all_gather, barrier, reduce_metrics
 
 # torch.distributed.checkpoint warns on every save/load without a process group; one process is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -68,8 +73,10 @@ class Config:
     preset: str = arg("tiny", "tiny | sd35m | flux | qwenimage | flux2: settings applied before the other flags")
     model: str = arg("tiny", "diffusers pipeline dir or hub id (SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein]); tiny | "
                              "tiny-flux | tiny-qwenimage | tiny-flux2 build a tiny one offline")
-    prompts: str = arg("", "training prompts: .txt (one per line) or .jsonl ({'prompt': ..., metadata}); tiny models have built-ins")
-    eval_prompts: str = arg("", "fixed evaluation prompts, same formats; default: the first eval_samples training prompts")
+    prompts: str = arg("", "training prompts: .txt (one per line), .jsonl ({'prompt': ..., metadata}) or a named set "
+                           "(ocr, geneval, pickapic, hpdv2: its train split; prompts.py); tiny models have built-ins")
+    eval_prompts: str = arg("", "fixed evaluation prompts, same forms; default: a named set's test split, else the "
+                                "first eval_samples training prompts")
     eval_samples: int = arg(32, "evaluation samples: the eval prompts in order, cycled (each repeat with its own fixed "
                                 "noise) to this many")
     resolution: int = arg(32, "image height and width in pixels")
@@ -173,10 +180,6 @@ PRESETS = {
                   # (with the MLP's input): without it LoRA would reach only the 5 double blocks.
                   lora_targets="to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,to_qkv_mlp_proj"),
 }
-
-
-class ConfigError(ValueError):
-    """Bad input, reported as one line before any model is loaded."""
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -329,100 +332,7 @@ def validate(cfg: Config, world_size: int) -> str:
     if adapter.text_token_limit and cfg.max_sequence_length > adapter.text_token_limit:
         raise ConfigError(f"--max_sequence_length {cfg.max_sequence_length}: {adapter.pipeline_class} accepts at most "
                           f"{adapter.text_token_limit} (pipe(...) refuses longer text too)")
-    if not cfg.prompts and cfg.model not in models.TINY_MODELS and not cfg.plan:
-        raise ConfigError("--prompts FILE is required for a real model (.txt, one prompt per line, or .jsonl)")
     return family
-
-
-# ----------------------------------------------------------------------------------------------
-# Memory plan (models.memory_plan): before any weight is loaded, on --plan and at every GPU launch
-
-
-def plan_world_and_memory(cfg: Config) -> tuple[int, float]:
-    """--plan_world_size / --plan_gpu_gb, else torchrun's world size or the visible GPUs and their memory."""
-    world = cfg.plan_world_size or int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count()
-    gpu_gb = cfg.plan_gpu_gb or (torch.cuda.get_device_properties(0).total_memory / models.GiB
-                                 if torch.cuda.is_available() else 0)
-    if not world or not gpu_gb:
-        raise ConfigError("--plan: no GPU is visible here; say what to plan for with --plan_world_size N --plan_gpu_gb G")
-    return world, gpu_gb
-
-
-def plan_memory(cfg: Config, family: str, world: int, gpu_gb: float) -> tuple[models.MemoryPlan, str]:
-    """The per-GPU memory plan of cfg on `world` GPUs of gpu_gb GiB and, when it does not fit, the flags that make
-    it fit: levers taken cheapest first and cumulatively (a smaller micro-batch costs nothing at all; then smaller
-    rollout batches, gathering per ODE step, activation checkpointing: one more forward)."""
-    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
-    try:
-        _, components = models.meta_components(cfg.model)
-    except (ValueError, OSError) as error:
-        raise ConfigError(f"--plan: {error}") from None
-    adapter, transformer = models.ADAPTERS[family], components["transformer"]
-    activations = models.activation_profile(transformer, adapter, dtype, partial(make_trainable, cfg=cfg),
-                                            resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length)
-    lora = models.lora_parameters(transformer, cfg.lora_rank, cfg.lora_targets.split(",")) if cfg.lora_rank else 0
-    local = cfg.num_prompts // world * cfg.group_size
-
-    def plan_of(c: Config) -> models.MemoryPlan:
-        options = json.loads(c.reward_options)
-        rollout_rows = min(c.rollout_batch_size, local)
-        return models.memory_plan(
-            components, adapter, dtype=dtype, world=world, gpu_gb=gpu_gb, lora_params=lora,
-            micro_rows=c.micro_batch_size * c.num_mc, rollout_rows=rollout_rows * (2 if c.cfg_scale != 1.0 else 1),
-            grad_checkpointing=c.grad_checkpointing, gather_once=c.rollout_gather_once,
-            reward_bytes=sum(rewards.reward_model_bytes(name, options.get(name, {}).get("dtype", "float32"))
-                             for name in rewards.parse_reward_spec(c.rewards)),
-            offload_text_encoders=c.offload_text_encoders, activations=activations,
-            decode_bytes=models.decode_intermediates(components, adapter, resolution=cfg.resolution, rows=rollout_rows,
-                                                     dtype=dtype))
-
-    plan = plan_of(cfg)
-    if plan.fits():
-        return plan, ""
-    # Not a lever: reward models in bf16 (their `dtype` option). Scores within 1e-3 of fp32 would need checking on
-    # the real weights, which cannot be downloaded here; the plan counts them in the dtype they are given.
-    levers = [{}, {"rollout_batch_size": max(1, cfg.rollout_batch_size // 4)}, {"rollout_gather_once": False},
-              {"grad_checkpointing": True}]
-    mini, changes = local // cfg.num_grad_steps, {}
-    for lever in levers:
-        changes.update(lever)
-        for micro in sorted((m for m in range(1, cfg.micro_batch_size + 1) if mini % m == 0), reverse=True):
-            other = plan_of(Config(**{**asdict(cfg), **changes, "micro_batch_size": micro}))
-            if other.fits():
-                changed = {k: v for k, v in {**changes, "micro_batch_size": micro}.items() if getattr(cfg, k) != v}
-                return plan, f"{flags_for(changed)} makes it fit ({other.peak:.1f} GiB)"
-    return plan, "nothing fits on this many GPUs: add GPUs, or lower --resolution or --lora_rank"
-
-
-def flags_for(changes: dict) -> str:
-    """Command-line flags that set `changes`."""
-    words = []
-    for name, value in changes.items():
-        if isinstance(value, bool):
-            words.append(f"--{'' if value else 'no-'}{name}")
-        else:
-            words.append(f"--{name} {value}")
-    return " ".join(words)
-
-
-def check_memory_plan(cfg: Config, family: str, world: int, gpu_gb: float | None, rank: int) -> None:
-    """At a GPU launch (gpu_gb: the device's memory; None on CPU): refuse a config whose plan does not fit, in one
-    line and before any weight is loaded."""
-    if gpu_gb is None:
-        return
-    problem = ""
-    if rank == 0:
-        try:
-            plan, advice = plan_memory(cfg, family, world, gpu_gb)
-        except ConfigError as error:  # e.g. a hub id whose configs are not known offline: plan nothing, say so
-            print(f"warning: no memory plan ({error})", flush=True)
-            plan = None
-        if plan is not None and not plan.fits():
-            problem = (f"the memory plan needs {plan.peak:.1f} GiB per GPU of {gpu_gb:.0f} GiB (10% headroom kept): "
-                       f"{advice}; see python train.py --plan with the same flags")
-    problem = broadcast_from_rank0(problem)
-    if problem:
-        raise ConfigError(problem)
 
 
 def step_distilled(model: str) -> bool:
@@ -468,68 +378,6 @@ def model_index(model: str) -> dict:
         raise ConfigError(f"--model {model}: {where} is not a diffusers model_index.json (no '_class_name' in a JSON "
                           "object); re-save the pipeline with save_pretrained")
     return index
-
-
-# ----------------------------------------------------------------------------------------------
-# Prompts
-
-
-@dataclass
-class Prompt:
-    text: str
-    metadata: dict
-
-
-# Every text encoder truncates a prompt long before this (CLIP at 77 tokens, T5 at 512); a longer line is a wrong
-# file, and tokenising it whole cost 58 s per iteration at 2 MB and ran out of memory at 26 MB.
-MAX_PROMPT_CHARS = 10_000
-
-
-def load_prompts(path: str) -> list[Prompt]:
-    """.txt: one prompt per line. .jsonl: one JSON object per line with a string 'prompt' (the whole object is the
-    prompt's metadata). Anything else, or a file that is not UTF-8 text, is refused in one line."""
-    file = Path(path)
-    if not file.is_file():
-        raise ConfigError(f"prompt file {path} does not exist")
-    if file.suffix == ".json":
-        raise ConfigError(f"prompt file {path}: .json is not read; write one JSON object per line as .jsonl, or one "
-                          "prompt per line as .txt")
-    try:
-        text = file.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"prompt file {path} is not UTF-8 text (byte {error.start}); pass a .txt or .jsonl file") from None
-    prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        if file.suffix == ".jsonl":
-            try:
-                record = json.loads(line)
-            except ValueError:
-                record = None
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ConfigError(f"{where}: expected a JSON object with a string 'prompt' field")
-            prompt = Prompt(record["prompt"], record)
-        else:
-            prompt = Prompt(line.strip(), {})
-        if len(prompt.text) > MAX_PROMPT_CHARS:
-            raise ConfigError(f"{where}: the prompt is {len(prompt.text)} characters; text encoders read at most "
-                              f"512 tokens, so more than {MAX_PROMPT_CHARS} means a wrong file")
-        prompts.append(prompt)
-    if not prompts:
-        raise ConfigError(f"prompt file {path} holds no prompts")
-    return prompts
-
-
-def check_prompts_for_rewards(prompts: list[Prompt], names, source: str) -> None:
-    """Rewards that need something from every prompt (the color reward: a colour word) say so before training."""
-    for name in names:
-        for number, p in enumerate(prompts, 1):
-            try:
-                rewards.check_prompt(name, p.text, p.metadata)
-            except ValueError as error:
-                raise ConfigError(f"{source}, prompt {number}: {error}") from None
 
 
 def prompts_for_iteration(num_available: int, num_prompts: int, seed: int, iteration: int) -> list[int]:
@@ -644,6 +492,18 @@ def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None
                           f"{type(transformer).__name__}; its Linear layers end in {', '.join(short)}")
 
 
+def load_trained(run_dir: Path, device: torch.device, dtype: torch.dtype, settings: dict | None = None
+                 ) -> models.FlowAdapter:
+    """A run's model exactly as training left it, in one process: its config (with `settings` changed, e.g. the
+    sampler evaluate.py uses), its base model, its last checkpoint (whatever world size wrote it)."""
+    cfg = dataclasses.replace(parse_config(["--resume", str(run_dir)]), **(settings or {}))
+    model = load_pipeline(cfg, model_family(cfg.model), device, dtype)
+    make_trainable(model.transformer, cfg)
+    optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad])
+    runs.load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
+    return model
+
+
 def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype, replicas: int = 1) -> None:
     """The FSDP2 recipe: shard each transformer block, then the root (which keeps the embeddings and
     the output layer). Parameters are gathered in `dtype` for compute; gradients are reduced in fp32.
@@ -693,7 +553,7 @@ def hsdp_replicas(cfg_hsdp: int, world: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# Distributed helpers
+# Processes (the collectives live in runs.py)
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -708,305 +568,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def all_gather(x: torch.Tensor) -> torch.Tensor:
-    """Concatenate x along dim 0 over ranks in rank order (identity in one process)."""
-    if not dist.is_initialized():
-        return x
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
-
-
-def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Average over ranks; min/max for keys ending _min/_max."""
-    if not dist.is_initialized():
-        return metrics
-    out = {}
-    for key, value in metrics.items():
-        x = torch.tensor(value, dtype=torch.float64, device=device)
-        op = dist.ReduceOp.MIN if key.endswith("_min") else dist.ReduceOp.MAX if key.endswith("_max") else dist.ReduceOp.SUM
-        dist.all_reduce(x, op=op)
-        out[key] = x.item() / (dist.get_world_size() if op == dist.ReduceOp.SUM else 1)
-    return out
-
-
-def broadcast_from_rank0(value: str) -> str:
-    """Rank 0's value on every rank (identity in one process)."""
-    if not dist.is_initialized():
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints: torch.distributed.checkpoint (sharded), written to a temp dir then renamed
-
-
-def state_options():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    # LoRA: the frozen base is not saved (it is reloaded from --model), so loading cannot be strict;
-    # load_checkpoint checks instead that only frozen parameters were missing.
-    return StateDictOptions(ignore_frozen_params=True, strict=False)
-
-
-def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int) -> None:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    root = run_dir / "checkpoints"
-    tmp, final = root / f".tmp-{iteration:06d}", root / f"iter-{iteration:06d}"
-    add_unstepped_state(optimizer)
-    model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
-    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               tmp / f"rng-rank{rank}.pt")
-    barrier()
-    if rank == 0:
-        (tmp / "state.json").write_text(json.dumps({"iteration": iteration}))
-        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp), indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")  # the pointer moves only once the checkpoint is whole
-        for old in root.glob("iter-*"):
-            if old != final:
-                shutil.rmtree(old)
-    barrier()
-
-
-def add_unstepped_state(optimizer: torch.optim.AdamW) -> None:
-    """AdamW keeps no state for a parameter that never had a gradient: one whose output nothing reads, as LoRA on
-    Qwen-Image's last text-stream output projection (the image tokens alone leave the last block). Loading expects a
-    state for every trainable parameter (torch.distributed.checkpoint initialises them all), so such a parameter gets
-    the state AdamW itself would create at its first step: step 0, zero moments. That changes no update."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.requires_grad and not optimizer.state[p]:
-                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
-
-
-MANIFEST = "manifest.json"
-
-
-def manifest(directory: Path) -> dict[str, list]:
-    """{relative path: [size, sha256]} of every file of a checkpoint but the manifest itself."""
-    import hashlib
-
-    entries = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        digest = hashlib.sha256()
-        with open(path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 24), b""):
-                digest.update(block)
-        entries[str(path.relative_to(directory))] = [path.stat().st_size, digest.hexdigest()]
-    return entries
-
-
-def checkpoint_problem(path: Path) -> str:
-    """'' if the checkpoint is the one save_checkpoint wrote (every file of its manifest present, same size and
-    sha256, nothing added), else what differs: resuming flipped bytes silently trained on garbage."""
-    try:
-        expected = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return f"{path / MANIFEST} is missing or unreadable"
-    found = manifest(path)
-    if found == expected:
-        return ""
-    changed = sorted(name for name in set(found) | set(expected) if found.get(name) != expected.get(name))
-    return f"{', '.join(changed[:5])} differ from {path / MANIFEST} (size or sha256; files missing, changed or added)"
-
-
-class CheckpointUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle; this loads only the classes DCP writes into it, so a planted pickle in a
-    checkpoint from elsewhere cannot run code on --resume (plain pickle would call anything it names)."""
-
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-               *(("torch.distributed.checkpoint.metadata", name) for name in (
-                   "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-                   "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-
-
-class SafeCheckpointReader(dcp.FileSystemReader):
-    """FileSystemReader with .metadata read by CheckpointUnpickler (tensors are read with weights_only=True by DCP)."""
-
-    def read_metadata(self, *args, **kwargs):
-        with open(Path(self.path) / ".metadata", "rb") as file:
-            metadata = CheckpointUnpickler(file).load()
-        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
-    """Restores model, optimizer and RNG states after checking the checkpoint against its manifest; returns
-    the iteration to continue from. Refuses a checkpoint that is not what save_checkpoint wrote, in one line."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    root = run_dir / "checkpoints"
-    name = (root / "latest").read_text().strip()
-    path = root / name
-    problem = "" if re.fullmatch(r"iter-\d{6}", name) else f"{root / 'latest'} names {name!r}, not an iter-NNNNNN checkpoint"
-    problem = broadcast_from_rank0(problem or (checkpoint_problem(path) if rank == 0 else ""))
-    if problem:
-        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {problem}")
-    model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
-    state = {"model": model_state, "optim": optim_state}
-    reader = SafeCheckpointReader(path)
-    try:
-        reader.read_metadata()  # here, so a refusal is one line (inside dcp.load it becomes a CheckpointException)
-    except pickle.UnpicklingError as error:
-        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {error}") from None
-    dcp.load(state, storage_reader=reader)
-    keys = set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                          options=state_options())
-    frozen = {name for name, p in transformer.named_parameters() if not p.requires_grad}
-    if keys.unexpected_keys or set(keys.missing_keys) - frozen:
-        raise ConfigError(f"checkpoint {path} does not match the model: missing trainable "
-                          f"{sorted(set(keys.missing_keys) - frozen)[:5]}, unexpected {keys.unexpected_keys[:5]}")
-    rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
-    torch.set_rng_state(rng["cpu"])
-    if rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((path / "state.json").read_text())["iteration"] + 1
-
-
-def load_trained(run_dir: Path, device: torch.device, dtype: torch.dtype) -> models.FlowAdapter:
-    """A run's model exactly as training left it, in one process: its config, its base model, its last
-    checkpoint (whatever world size wrote it). For checks and evaluation against the exported `final/`."""
-    cfg = parse_config(["--resume", str(run_dir)])
-    model = load_pipeline(cfg, model_family(cfg.model), device, dtype)
-    make_trainable(model.transformer, cfg)
-    optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad])
-    load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
-    return model
-
-
-def export_final(out: Path, model: models.FlowAdapter, lora: bool, rank: int) -> None:
-    """LoRA in the diffusers LoRA format (pipe.load_lora_weights) or the full transformer
-    (from_pretrained), gathered from the shards onto rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model.transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if rank != 0:
-        return
-    # Written whole into a temp dir, then renamed: a kill during the export never leaves a truncated final/.
-    tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_export(tmp, model, full, lora)
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def write_export(out: Path, model: models.FlowAdapter, full: dict, lora: bool) -> None:
-    if lora:
-        from peft.utils import get_peft_model_state_dict
-
-        layers = get_peft_model_state_dict(model.transformer, state_dict=full)
-        # The adapter config (rank, lora_alpha, targets) travels in the file's metadata: without it
-        # load_lora_weights applies scale 1 instead of lora_alpha / rank.
-        type(model.pipe).save_lora_weights(out, transformer_lora_layers=layers,
-                                           transformer_lora_adapter_metadata=model.transformer.peft_config["default"].to_dict())
-    else:
-        from safetensors.torch import save_file
-
-        out.mkdir(parents=True, exist_ok=True)
-        model.transformer.save_config(out / "transformer")
-        save_file({k: v.contiguous() for k, v in full.items()}, out / "transformer" / "diffusion_pytorch_model.safetensors")
-
-
-# ----------------------------------------------------------------------------------------------
-# Logging
-
-
-def trim_metrics(path: Path, start: int) -> None:
-    """Drop the lines of iterations >= start: after a resume they are redone, and a stop between logging and
-    checkpointing would otherwise leave them in metrics.jsonl twice. Rewritten through a temp file."""
-    if not path.is_file():
-        return
-    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
-    path.with_suffix(".tmp").write_text("".join(line + "\n" for line in lines))
-    os.replace(path.with_suffix(".tmp"), path)
-
-
-class Tracker:
-    """metrics.jsonl always; tensorboard or wandb when asked; rank 0 only (others get a no-op)."""
-
-    def __init__(self, run_dir: Path, cfg: Config, active: bool, start: int = 0):
-        self.active, self.backend = active, None
-        if not active:
-            return
-        trim_metrics(run_dir / "metrics.jsonl", start)
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        if cfg.tracker == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.backend = SummaryWriter(str(run_dir / "tensorboard"))
-        elif cfg.tracker == "wandb":
-            import wandb
-
-            self.backend = wandb.init(project="v-grpo", dir=str(run_dir), config=asdict(cfg), resume="allow")
-
-    def log(self, iteration: int, metrics: dict) -> None:
-        if not self.active:
-            return
-        self.file.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
-        self.file.flush()
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
-        if hasattr(self.backend, "add_scalar"):
-            for k, v in scalars.items():
-                self.backend.add_scalar(k, v, iteration)
-        elif self.backend is not None:
-            self.backend.log(scalars, step=iteration)
-
-
-GRID_SAMPLES = 16  # evaluation samples drawn in each grid (the JSON beside it lists all of rank 0's)
-
-
-def save_samples(images: torch.Tensor, captions: list[str], records: list[dict], path: Path) -> None:
-    """The evaluation samples a person can read: one PNG grid (rows of up to 8) with each image's caption (prompt and
-    rewards) under it, cells at least 128 px wide (tiny images are enlarged, nearest), and a JSON file beside it
-    with the prompts, noise indices and rewards of every sample in records (the grid shows the first len(images))."""
-    from PIL import Image, ImageDraw
-
-    cell = max(128, images.shape[-1])
-    pictures = [p.resize((cell, round(cell * p.height / p.width)), Image.NEAREST) for p in rewards.to_pil(images)]
-    lines = [textwrap.wrap(c, width=cell // 6)[:4] for c in captions]  # the default bitmap font is ~6 px per char
-    text_h = 11 * max(len(w) for w in lines) + 4
-    cols = min(8, len(pictures))
-    rows = math.ceil(len(pictures) / cols)
-    grid = Image.new("RGB", (cols * cell, rows * (pictures[0].height + text_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, (picture, wrapped) in enumerate(zip(pictures, lines)):
-        x, y = (i % cols) * cell, (i // cols) * (picture.height + text_h)
-        grid.paste(picture, (x, y))
-        draw.multiline_text((x + 2, y + picture.height + 2), "\n".join(wrapped), fill="black", spacing=1)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
-    path.with_suffix(".json").write_text(json.dumps(records, indent=1))
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1063,7 +624,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     torch.manual_seed(cfg.seed)
 
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / models.GiB if device.type == "cuda" else None
-    check_memory_plan(cfg, family, world, gpu_gb, rank)
+    models.check_memory_plan(cfg, family, world, gpu_gb, rank, partial(make_trainable, cfg=cfg))
     weights = rewards.parse_reward_spec(cfg.rewards)
     options = json.loads(cfg.reward_options)
     reward_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {})) for name in weights}
@@ -1079,7 +640,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     trainable = [p for p in transformer.parameters() if p.requires_grad]  # after FSDP2 swapped in sharded ones
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     torch.manual_seed(cfg.seed + rank)
-    start = load_checkpoint(run_dir, transformer, optimizer, rank) if cfg.resume else 0
+    start = runs.load_checkpoint(run_dir, transformer, optimizer, rank) if cfg.resume else 0
     print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}"
            + (f" (HSDP: {replicas} replicas x {world // replicas} shards)" if replicas > 1 else "") + ", "
            f"{dtype}, run dir {run_dir}" + (f", resuming at iteration {start}" if start else ""))
@@ -1093,7 +654,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
                         chunk_size=cfg.micro_batch_size * K)
     nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
     nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
-    tracker = Tracker(run_dir, cfg, master, start)
+    tracker = runs.Tracker(run_dir, cfg, master, start)
     stop = {"requested": False}
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
         signal.signal(sig, lambda *_: stop.update(requested=True))
@@ -1147,7 +708,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             "time_rollout": timer["rollout"] - timer["start"], "time_reward": timer["reward"] - timer["rollout"],
             "time_update": timer["update"] - timer["reward"],
             "images_per_s": P * G / (timer["update"] - timer["start"]),
-            "peak_memory_gb": reduce_metrics({"m_max": peak_memory_gb(device)}, device)["m_max"],
+            "peak_memory_gb": reduce_metrics({"m_max": runs.peak_memory_gb(device)}, device)["m_max"],
             "prompt_indices": chosen,
         }
         if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
@@ -1175,12 +736,12 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             raise SystemExit(message if master else 1)
         stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
         if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
-            save_checkpoint(run_dir, it, transformer, optimizer, rank)
+            runs.save_checkpoint(run_dir, it, transformer, optimizer, rank)
         if stopping:
             print0(f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {it} saved; continue with --resume {run_dir}")
             break
     else:
-        export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank)
+        runs.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank)
         print0(summary_table(history))
         print0(f"done: {run_dir}/final, metrics in {run_dir}/metrics.jsonl")
     if dist.is_initialized():
@@ -1227,9 +788,9 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
         records = [{"prompt": p.text, "seed": cfg.seed, "noise_index": i,
                     "rewards": {n: s[j].item() for n, s in scores.items()}}
                    for j, (p, i) in enumerate(zip(chosen, indices)) if real[j]]
-        shown = records[:GRID_SAMPLES]
+        shown = records[:runs.GRID_SAMPLES]
         captions = [f"{r['prompt']} | " + " ".join(f"{n} {v:.3f}" for n, v in r["rewards"].items()) for r in shown]
-        save_samples(model.decode(x0[:len(shown)]), captions, records, grid_path)
+        runs.save_samples(model.decode(x0[:len(shown)]), captions, records, grid_path)
     return means
 
 
@@ -1241,22 +802,36 @@ def summary_table(history: list[tuple[int, float, float | None]]) -> str:
     return "\n".join(lines)
 
 
+def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
+    """The training prompts and the eval_samples evaluation prompts (position i gets fixed noise i): --prompts (a file
+    or a named set's train split; tiny models have built-ins) and --eval_prompts, by default the named set's test
+    split or else the first training prompts, cycled. Checked against what the rewards need from each prompt."""
+    if not cfg.prompts and cfg.model not in models.TINY_MODELS:
+        raise ConfigError(f"--prompts is required for a real model: a .txt (one prompt per line) or .jsonl file, or a "
+                          f"named set ({', '.join(prompt_sets.SETS)})")
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda _: None)
+    prompts = (prompt_sets.load(cfg.prompts, split="train", say=say) if cfg.prompts
+               else [Prompt(p, {}) for p in models.TINY_PROMPTS])
+    eval_spec = cfg.eval_prompts or prompt_sets.test_split(cfg.prompts)
+    listed = prompt_sets.load(eval_spec, split="test", say=say) if eval_spec else prompts[:cfg.eval_samples]
+    eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]
+    names = rewards.parse_reward_spec(cfg.rewards)
+    prompt_sets.check_for_rewards(prompts, names, cfg.prompts or "the built-in prompts")
+    if eval_spec:
+        prompt_sets.check_for_rewards(eval_prompts, names, eval_spec)
+    return prompts, eval_prompts
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cfg = parse_config(argv)
         if cfg.plan:
-            world, gpu_gb = plan_world_and_memory(cfg)
-            plan, advice = plan_memory(cfg, validate(cfg, world), world, gpu_gb)
+            world, gpu_gb = models.plan_world_and_memory(cfg)
+            plan, advice = models.plan_memory(cfg, validate(cfg, world), world, gpu_gb, partial(make_trainable, cfg=cfg))
             print(plan.table())
             sys.exit(0 if plan.fits() else f"error: does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-        prompts = load_prompts(cfg.prompts) if cfg.prompts else [Prompt(p, {}) for p in models.TINY_PROMPTS]
-        listed = load_prompts(cfg.eval_prompts) if cfg.eval_prompts else prompts[:cfg.eval_samples]
-        eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]  # position i: fixed noise i
-        names = rewards.parse_reward_spec(cfg.rewards)
-        check_prompts_for_rewards(prompts, names, cfg.prompts or "the built-in prompts")
-        if cfg.eval_prompts:
-            check_prompts_for_rewards(eval_prompts, names, cfg.eval_prompts)
+        prompts, eval_prompts = training_prompts(cfg)
         train(cfg, family, prompts, eval_prompts)
     except ConfigError as error:  # one line, from rank 0 only under torchrun (every rank finds the same)
         sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 1)

@@ -1,0 +1,344 @@
+"""runs.py: what a training run leaves behind, and what can stop it.
+
+A run directory (train.py writes it, evaluate.py and `train.load_trained` read it):
+
+    config.json       the resolved Config; --resume starts from it
+    metrics.jsonl     one JSON line per iteration (Tracker); trimmed to the checkpoint on resume
+    samples/          evaluation grids iter-NNNNNN.png, each with a .json of every sample's prompt, noise, rewards
+    checkpoints/      iter-NNNNNN/ (torch.distributed.checkpoint shards, rng-rank*.pt, state.json, manifest.json)
+                      and `latest`, naming the newest whole checkpoint
+    final/            the export: a diffusers LoRA (pipe.load_lora_weights) or a full transformer (from_pretrained)
+
+Every checkpoint and export is written to a temporary directory and renamed, so a crash at any point leaves the
+previous one whole; a checkpoint is verified against its manifest (sizes and sha256) before it is read, and its
+pickled metadata is read with an allow-list, so resuming a checkpoint from elsewhere cannot run code.
+The process helpers below are the identity in one process and collectives under torchrun.
+"""
+
+import json
+import math
+import os
+import pickle
+import re
+import resource
+import shutil
+import textwrap
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+import rewards
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors a user can fix
+
+
+class ConfigError(ValueError):
+    """Bad input, reported as one line before any model is loaded."""
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Processes: rank 0 decides, every rank agrees
+
+
+def all_gather(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate x along dim 0 over ranks in rank order (identity in one process)."""
+    if not dist.is_initialized():
+        return x
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Average over ranks; min/max for keys ending _min/_max."""
+    if not dist.is_initialized():
+        return metrics
+    out = {}
+    for key, value in metrics.items():
+        x = torch.tensor(value, dtype=torch.float64, device=device)
+        op = dist.ReduceOp.MIN if key.endswith("_min") else dist.ReduceOp.MAX if key.endswith("_max") else dist.ReduceOp.SUM
+        dist.all_reduce(x, op=op)
+        out[key] = x.item() / (dist.get_world_size() if op == dist.ReduceOp.SUM else 1)
+    return out
+
+
+def broadcast_from_rank0(value: str) -> str:
+    """Rank 0's value on every rank (identity in one process)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: torch.distributed.checkpoint (sharded), written to a temp dir then renamed
+
+
+def state_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # LoRA: the frozen base is not saved (it is reloaded from --model), so loading cannot be strict;
+    # load_checkpoint checks instead that only frozen parameters were missing.
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = run_dir / "checkpoints"
+    tmp, final = root / f".tmp-{iteration:06d}", root / f"iter-{iteration:06d}"
+    add_unstepped_state(optimizer)
+    model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               tmp / f"rng-rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / "state.json").write_text(json.dumps({"iteration": iteration}))
+        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp), indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")  # the pointer moves only once the checkpoint is whole
+        for old in root.glob("iter-*"):
+            if old != final:
+                shutil.rmtree(old)
+    barrier()
+
+
+def add_unstepped_state(optimizer: torch.optim.AdamW) -> None:
+    """AdamW keeps no state for a parameter that never had a gradient: one whose output nothing reads, as LoRA on
+    Qwen-Image's last text-stream output projection (the image tokens alone leave the last block). Loading expects a
+    state for every trainable parameter (torch.distributed.checkpoint initialises them all), so such a parameter gets
+    the state AdamW itself would create at its first step: step 0, zero moments. That changes no update."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and not optimizer.state[p]:
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+MANIFEST = "manifest.json"
+
+
+def manifest(directory: Path) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file of a checkpoint but the manifest itself."""
+    import hashlib
+
+    entries = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest = hashlib.sha256()
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 24), b""):
+                digest.update(block)
+        entries[str(path.relative_to(directory))] = [path.stat().st_size, digest.hexdigest()]
+    return entries
+
+
+def checkpoint_problem(path: Path) -> str:
+    """'' if the checkpoint is the one save_checkpoint wrote (every file of its manifest present, same size and
+    sha256, nothing added), else what differs: resuming flipped bytes silently trained on garbage."""
+    try:
+        expected = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return f"{path / MANIFEST} is missing or unreadable"
+    found = manifest(path)
+    if found == expected:
+        return ""
+    changed = sorted(name for name in set(found) | set(expected) if found.get(name) != expected.get(name))
+    return f"{', '.join(changed[:5])} differ from {path / MANIFEST} (size or sha256; files missing, changed or added)"
+
+
+class CheckpointUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle; this loads only the classes DCP writes into it, so a planted pickle in a
+    checkpoint from elsewhere cannot run code on --resume (plain pickle would call anything it names)."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+               *(("torch.distributed.checkpoint.metadata", name) for name in (
+                   "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                   "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"))}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class SafeCheckpointReader(dcp.FileSystemReader):
+    """FileSystemReader with .metadata read by CheckpointUnpickler (tensors are read with weights_only=True by DCP)."""
+
+    def read_metadata(self, *args, **kwargs):
+        with open(Path(self.path) / ".metadata", "rb") as file:
+            metadata = CheckpointUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
+    """Restores model, optimizer and RNG states after checking the checkpoint against its manifest; returns
+    the iteration to continue from. Refuses a checkpoint that is not what save_checkpoint wrote, in one line."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    root = run_dir / "checkpoints"
+    name = (root / "latest").read_text().strip()
+    path = root / name
+    problem = "" if re.fullmatch(r"iter-\d{6}", name) else f"{root / 'latest'} names {name!r}, not an iter-NNNNNN checkpoint"
+    problem = broadcast_from_rank0(problem or (checkpoint_problem(path) if rank == 0 else ""))
+    if problem:
+        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {problem}")
+    model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
+    state = {"model": model_state, "optim": optim_state}
+    reader = SafeCheckpointReader(path)
+    try:
+        reader.read_metadata()  # here, so a refusal is one line (inside dcp.load it becomes a CheckpointException)
+    except pickle.UnpicklingError as error:
+        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {error}") from None
+    dcp.load(state, storage_reader=reader)
+    keys = set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                          options=state_options())
+    frozen = {name for name, p in transformer.named_parameters() if not p.requires_grad}
+    if keys.unexpected_keys or set(keys.missing_keys) - frozen:
+        raise ConfigError(f"checkpoint {path} does not match the model: missing trainable "
+                          f"{sorted(set(keys.missing_keys) - frozen)[:5]}, unexpected {keys.unexpected_keys[:5]}")
+    rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return json.loads((path / "state.json").read_text())["iteration"] + 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Export: what a user loads into diffusers
+
+
+def export_final(out: Path, model, lora: bool, rank: int) -> None:
+    """LoRA in the diffusers LoRA format (pipe.load_lora_weights) or the full transformer
+    (from_pretrained), gathered from the shards onto rank 0."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model.transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank != 0:
+        return
+    # Written whole into a temp dir, then renamed: a kill during the export never leaves a truncated final/.
+    tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_export(tmp, model, full, lora)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_export(out: Path, model, full: dict, lora: bool) -> None:
+    if lora:
+        from peft.utils import get_peft_model_state_dict
+
+        layers = get_peft_model_state_dict(model.transformer, state_dict=full)
+        # The adapter config (rank, lora_alpha, targets) travels in the file's metadata: without it
+        # load_lora_weights applies scale 1 instead of lora_alpha / rank.
+        type(model.pipe).save_lora_weights(out, transformer_lora_layers=layers,
+                                           transformer_lora_adapter_metadata=model.transformer.peft_config["default"].to_dict())
+    else:
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        model.transformer.save_config(out / "transformer")
+        save_file({k: v.contiguous() for k, v in full.items()}, out / "transformer" / "diffusion_pytorch_model.safetensors")
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics and sample grids
+
+
+def trim_metrics(path: Path, start: int) -> None:
+    """Drop the lines of iterations >= start: after a resume they are redone, and a stop between logging and
+    checkpointing would otherwise leave them in metrics.jsonl twice. Rewritten through a temp file."""
+    if not path.is_file():
+        return
+    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
+    path.with_suffix(".tmp").write_text("".join(line + "\n" for line in lines))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+class Tracker:
+    """metrics.jsonl always; tensorboard or wandb when asked; rank 0 only (others get a no-op)."""
+
+    def __init__(self, run_dir: Path, cfg, active: bool, start: int = 0):
+        self.active, self.backend = active, None
+        if not active:
+            return
+        trim_metrics(run_dir / "metrics.jsonl", start)
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        if cfg.tracker == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.backend = SummaryWriter(str(run_dir / "tensorboard"))
+        elif cfg.tracker == "wandb":
+            import wandb
+
+            self.backend = wandb.init(project="v-grpo", dir=str(run_dir), config=asdict(cfg), resume="allow")
+
+    def log(self, iteration: int, metrics: dict) -> None:
+        if not self.active:
+            return
+        self.file.write(json.dumps({"iteration": iteration, **metrics}) + "\n")
+        self.file.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if hasattr(self.backend, "add_scalar"):
+            for k, v in scalars.items():
+                self.backend.add_scalar(k, v, iteration)
+        elif self.backend is not None:
+            self.backend.log(scalars, step=iteration)
+
+
+GRID_SAMPLES = 16  # evaluation samples drawn in each grid (the JSON beside it lists all of rank 0's)
+
+
+def save_samples(images: torch.Tensor, captions: list[str], records: list[dict] | None, path: Path,
+                 columns: int = 8) -> None:
+    """The evaluation samples a person can read: one PNG grid (rows of up to `columns`) with each image's caption
+    (prompt and rewards) under it, cells at least 128 px wide (tiny images are enlarged, nearest), and, given records,
+    a JSON file beside it with the prompts, noise indices and rewards of every sample (the grid shows the first
+    len(images))."""
+    from PIL import Image, ImageDraw
+
+    cell = max(128, images.shape[-1])
+    pictures = [p.resize((cell, round(cell * p.height / p.width)), Image.NEAREST) for p in rewards.to_pil(images)]
+    lines = [textwrap.wrap(c, width=cell // 6)[:4] for c in captions]  # the default bitmap font is ~6 px per char
+    text_h = 11 * max(len(w) for w in lines) + 4
+    cols = min(columns, len(pictures))
+    rows = math.ceil(len(pictures) / cols)
+    grid = Image.new("RGB", (cols * cell, rows * (pictures[0].height + text_h)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (picture, wrapped) in enumerate(zip(pictures, lines)):
+        x, y = (i % cols) * cell, (i // cols) * (picture.height + text_h)
+        grid.paste(picture, (x, y))
+        draw.multiline_text((x + 2, y + picture.height + 2), "\n".join(wrapped), fill="black", spacing=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    grid.save(path)
+    if records is not None:
+        path.with_suffix(".json").write_text(json.dumps(records, indent=1))
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
