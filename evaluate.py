@@ -146,7 +146,8 @@ def sample_row(name: str, cfg: train.Config, family: str, listed: list, samples:
     cond = train.encode(model, [p.text for p in batch], device, cfg.offload_text_encoders)
     noise = train.initial_noise(cfg, model, "evaluate", 0, mine, device)
     collected = {n: Collected(fn) for n, fn in reward_fns.items()}
-    x0, scores = train.rollout(cfg, model, train.guided_velocity(cfg, model, device), batch, cond, noise, collected)
+    x0, scores = train.rollout(cfg, model, train.guided_velocity(cfg, model, device), batch, cond, noise, collected,
+                               progress=name if rank == 0 else "")
     shown = [i for i, k in enumerate(mine) if k % samples == 0 and k // samples < GRID_PROMPTS]
     with torch.no_grad():
         images = model.decode(x0[shown]).float().cpu() if shown else torch.empty(0)
@@ -249,6 +250,7 @@ def evaluate(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    runs.quiet_known_noise()
     try:
         evaluate(argv)
     except ConfigError as error:

@@ -514,10 +514,10 @@ def qwen_text_encoder(family: str, *, vocab: int, hidden: int, intermediate: int
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
+def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0, progress: bool = False):
     """A StableDiffusion3Pipeline or FluxPipeline at toy sizes (32 px images, 16 x 16 x 4 latents),
-    random, or briefly fitted to toy images (fit_tiny_pipeline) when fit_steps > 0; QwenImagePipeline and
-    Flux2KleinPipeline likewise (tiny_qwen_pipeline)."""
+    random, or briefly fitted to toy images (fit_tiny_pipeline, with a progress bar on a terminal if progress) when
+    fit_steps > 0; QwenImagePipeline and Flux2KleinPipeline likewise (tiny_qwen_pipeline)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel, SD3Transformer2DModel
     from transformers import CLIPTextConfig, T5Config
 
@@ -525,7 +525,7 @@ def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
     if family in ("qwenimage", "flux2"):
         pipe = tiny_qwen_pipeline(family)
         if fit_steps:
-            fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed)
+            fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed, progress=progress)
         return pipe
     clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     clip = CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -552,7 +552,7 @@ def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0):
     pipe = assemble_pipeline(family, transformer, scheduler, vae, clip_l=clip, clip_g=clip, t5=t5, clip_tok=clip_tok,
                              t5_tok=t5_tok)
     if fit_steps:
-        fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed)
+        fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed, progress=progress)
     return pipe
 
 
@@ -763,15 +763,20 @@ def toy_images(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list[s
     return images, [f"a {colors[w]} {'circle' if c else 'square'}" for w, c in zip(words, circle)]
 
 
-def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size: int = 32) -> None:
+def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size: int = 32, progress: bool = False) -> None:
     """Fit the tiny VAE as an autoencoder of toy_images (steps), then the transformer with the
     rectified-flow loss on the latents of a fixed set of them (4 * steps): a small pretrained
     generator. Latents and text embeddings are computed once."""
     import torch.nn.functional as F
 
+    from tqdm import tqdm
+
     g = torch.Generator().manual_seed(seed)
     vae, transformer = pipe.vae.train().requires_grad_(True), pipe.transformer.train().requires_grad_(True)
     frames = adapter.vae_frames  # Qwen-Image's VAE codes (B, C, frames, H, W): one frame
+    # One bar for both stages (5 x steps optimizer steps), shown on a terminal only and by one process only.
+    bar = tqdm(total=5 * steps, desc="fitting the tiny model to toy images", disable=None if progress else True,
+               leave=False, dynamic_ncols=True)
     opt = torch.optim.Adam(vae.parameters(), lr=3e-3)
     for _ in range(steps):
         x = toy_images(batch_size // 2, g)[0] * 2 - 1
@@ -781,6 +786,7 @@ def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        bar.update()
     vae.eval().requires_grad_(False)
     model = adapter(pipe, resolution=32, sampling_steps=1, max_sequence_length=8)
     images, captions = toy_images(512, g)
@@ -797,6 +803,8 @@ def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        bar.update()
+    bar.close()
     transformer.eval().requires_grad_(False)
 
 

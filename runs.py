@@ -15,7 +15,9 @@ pickled metadata is read with an allow-list, so resuming a checkpoint from elsew
 The process helpers below are the identity in one process and collectives under torchrun.
 """
 
+import contextlib
 import json
+import logging
 import math
 import os
 import pickle
@@ -41,6 +43,31 @@ import rewards
 class ConfigError(ValueError):
     """Bad input, reported as one line before any model is loaded."""
 
+
+
+# Messages the libraries print on a default run that say nothing a user of this project can act on, matched by
+# their text: transformers' "CLIPImageProcessor / SiglipImageProcessor requires torchvision ... falling back to the
+# PIL processor" (printed when diffusers imports its IP-adapter classes; every processor here is the PIL one anyway),
+# and diffusers' "No LoRA keys associated to CLIPTextModelWithProjection" (pipe.load_lora_weights on an export that,
+# by design, trains only the transformer). Every other warning still prints.
+KNOWN_NOISE = ("requires torchvision (not installed); falling back to", "No LoRA keys associated to ")
+
+
+class _KnownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in KNOWN_NOISE)
+
+
+def quiet_known_noise() -> None:
+    """Drop KNOWN_NOISE from transformers' and diffusers' log handlers (their records reach the library's root
+    logger's handler, where the filter sits). Call before the first pipeline is imported."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    for library in (transformers_logging, diffusers_logging):
+        library.get_logger()  # creates the library's handler if it has none yet
+        for handler in logging.getLogger(library.__name__.split(".")[0]).handlers:
+            handler.addFilter(_KnownNoise())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,6 +361,44 @@ def save_samples(images: torch.Tensor, captions: list[str], records: list[dict] 
     grid.save(path)
     if records is not None:
         path.with_suffix(".json").write_text(json.dumps(records, indent=1))
+
+
+def draw_curves(run_dir: Path) -> bool:
+    """run_dir/curves.png from its metrics.jsonl: training reward per reward name, evaluation rewards, the KL terms
+    and the clip fraction against the iteration. False (nothing drawn) if matplotlib is not installed."""
+    history = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line torn by a crash is left out of the picture
+            history.append(json.loads(line))
+    return plot_curves(history, run_dir / "curves.png")
+
+
+def plot_curves(history: list[dict], path: Path) -> bool:
+    """Four panels against the iteration from per-iteration metric dicts (each with "iteration"); False if matplotlib
+    is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    panels = {"training reward": lambda k: k.startswith("reward/") and k.endswith("_mean"),
+              "evaluation reward": lambda k: k.startswith("eval/") and k.endswith("_mean"),
+              "KL": lambda k: k in ("kl", "approx_kl"), "clip fraction": lambda k: k == "clipfrac"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (title, wanted) in zip(axes, panels.items()):
+        for key in sorted({k for m in history for k in m if wanted(k)}):
+            points = [(m["iteration"], m[key]) for m in history if key in m]
+            ax.plot(*zip(*points), marker="o" if len(points) < 20 else None, markersize=3,
+                    label=key.removeprefix("reward/").removeprefix("eval/").removesuffix("_mean"))
+        ax.set(title=title, xlabel="iteration")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -578,6 +578,7 @@ import models  # noqa: E402
 import prompts as prompt_sets  # noqa: E402
 import rewards  # noqa: E402
 import runs  # noqa: E402
+import evaluate  # noqa: E402
 import train  # noqa: E402
 
 
@@ -1845,6 +1846,12 @@ def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     after +0.040 at iteration 10: the eval noise of 8 samples."""
     proc = run_train("--run_dir", tmp_path)
     assert "iteration | reward_mean" in proc.stdout
+    # The first minute and the last screen: no warning a user cannot act on (nothing at all on stderr when it is not
+    # a terminal: the progress bars stay quiet there), and a closing summary naming the files to open next.
+    assert not re.search(r"warn|deprecat", proc.stderr, re.IGNORECASE), proc.stderr[-3000:]
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    for line in (f"done: {tmp_path}", "samples  ", "curves   ", "export   ", f"python evaluate.py --runs {tmp_path}"):
+        assert line in proc.stdout, proc.stdout[-2000:]
     metrics = read_metrics(tmp_path)
     evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
     assert len(evals) == 5 and np.mean(evals[-3:]) > evals[0] + 0.015, evals  # 2.3 std below the mean gain
@@ -1853,6 +1860,43 @@ def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     first, last = np.mean([m["reward_mean"] for m in metrics[:5]]), np.mean([m["reward_mean"] for m in metrics[-10:]])
     assert last > first, (first, last)
 
+
+
+def test_progress_shows_on_a_terminal_from_the_tiny_fit_on(tmp_path):
+    """On a terminal the tiny model's fit, the iterations and the evaluation each show a bar (tqdm writes to the
+    terminal only: the test above sees none without one)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--run_dir", str(tmp_path), "--tiny_fit_steps", "3",
+                             "--iterations", "1", "--eval_samples", "8"], stdout=follower, stderr=follower, cwd=ROOT)
+    os.close(follower)
+    seen = b""
+    with contextlib.suppress(OSError):  # EIO once the process has closed its end
+        while chunk := os.read(leader, 65536):
+            seen += chunk
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0
+    text = seen.decode(errors="replace")
+    for bar in ("fitting the tiny model to toy images", "V-GRPO", "evaluating"):
+        assert bar in text, text[-2000:]
+    assert not re.search(r"warn", text, re.IGNORECASE), text[-2000:]
+
+
+def test_curves_are_drawn_from_metrics_and_a_missing_matplotlib_is_a_hint(tmp_path, monkeypatch):
+    lines = [{"iteration": i, "reward/color_mean": 0.5 + i / 100, "kl": 0.01, "approx_kl": 0.0, "clipfrac": 0.1,
+              **({"eval/color_mean": 0.5, "eval/reward_mean": 0.5} if i % 2 == 0 else {})} for i in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"iteration": 6, "rew')
+    assert runs.draw_curves(tmp_path)  # the torn last line is left out
+    from PIL import Image
+
+    assert Image.open(tmp_path / "curves.png").size[0] > 4 * Image.open(tmp_path / "curves.png").size[1] / 2
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert not runs.plot_curves(lines, tmp_path / "none.png") and not (tmp_path / "none.png").exists()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1988,14 +2032,6 @@ def test_train_runs_geneval_through_a_detector_server(tiny_dirs, tmp_path):
     assert math.isfinite(line["reward/geneval_mean"]) and math.isfinite(line["eval/geneval_mean"])
 
 
-def test_a_reward_the_prompts_cannot_feed_is_refused_before_loading(tmp_path):
-    (tmp_path / "plain.txt").write_text("a photo of a dog\n")
-    for argv, message in [(["--prompts", str(tmp_path / "plain.txt"), "--rewards", "ocr"], "between double quotes"),
-                          (["--prompts", str(tmp_path / "plain.txt"), "--rewards", "geneval"], "GenEval metadata")]:
-        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], capture_output=True, text=True, cwd=ROOT)
-        assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
-
-
 # ----------------------------------------------------------------------------------------------
 # evaluate.py
 
@@ -2086,10 +2122,18 @@ def test_evaluate_at_real_width_in_bf16_scores_base_against_a_lora(real_dirs, tm
     (["--prompts", "drawbench:train"], "no 'train' split"),
     (["--rewards", "nonsense"], "unknown reward"),
 ])
-def test_evaluate_bad_input_is_one_line(argv, message):
-    result = run_evaluate(*argv)
-    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1
+def test_evaluate_bad_input_is_one_line(argv, message, monkeypatch):
+    monkeypatch.setattr(train, "load_pipeline", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(argv)
+    assert str(exit_info.value).startswith("error: ") and message in str(exit_info.value)
+    assert "\n" not in str(exit_info.value)
+
+
+def test_evaluate_error_is_one_line_on_stderr_without_traceback():
+    result = run_evaluate("--runs", "/nonexistent")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == ["error: --runs /nonexistent: no checkpoint there (checkpoints/latest is missing)"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2505,6 +2549,11 @@ BAD_INPUTS = [
     (["--tracker", "mlflow"], "--tracker 'mlflow' is not one of none, tensorboard, wandb"),
     (["--eval_prompts", "{tmp}/missing.txt"], "does not exist"),
     (["--lora_targets", ""], "--lora_targets: name at least one module"),
+    (["--prompts", "{tmp}/colourless.txt", "--rewards", "ocr"], "colourless.txt, prompt 1: the ocr reward reads the text"),
+    (["--prompts", "{tmp}/colourless.txt", "--rewards", "geneval"], "needs each prompt's GenEval metadata"),
+    (["--prompts", "drawbench"], "prompt set 'drawbench' has no 'train' split; it has test"),
+    (["--prompts", "pickapic_v3"], "is neither a prompt file (.txt or .jsonl) nor a named set"),
+    (["--model", "{tmp}/sd3_index"], "--prompts is required for a real model"),
 ]
 
 
@@ -2517,7 +2566,8 @@ def write_bad_input_files(tmp):
     (tmp / "huge.txt").write_text("a red car\n" + "a" * 2_000_000 + "\n")
     (tmp / "numbers.jsonl").write_text('{"prompt": 42}\n')
     (tmp / "colourless.txt").write_text("a red car\na photo of a cat\n")
-    for name, text in (("truncated_index", '{"_class_name": "StableDiff'), ("classless_index", '{"a": 1}')):
+    for name, text in (("truncated_index", '{"_class_name": "StableDiff'), ("classless_index", '{"a": 1}'),
+                       ("sd3_index", '{"_class_name": "StableDiffusion3Pipeline"}')):
         (tmp / name).mkdir()
         (tmp / name / "model_index.json").write_text(text)
     config = json.dumps(asdict(train.Config(lora_rank=32)))

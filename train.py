@@ -418,8 +418,10 @@ def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.d
     import diffusers
 
     adapter = models.ADAPTERS[family]
-    if cfg.model in models.TINY_MODELS:
-        pipe = models.tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps).to(dtype=dtype)
+    if cfg.model in models.TINY_MODELS:  # built in float32; cast only to another dtype (diffusers warns on any cast)
+        pipe = models.tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps,
+                                    progress=os.environ.get("RANK", "0") == "0")
+        pipe = pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
     else:  # from_pretrained keeps the modules a model marks as float32-only in float32 (none in bf16 since transformers 5)
         pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, dtype=dtype)
     # Frozen parts (VAE, text encoders) run replicated on every rank: they are not sharded and not trained. Nothing
@@ -575,12 +577,14 @@ def setup_distributed() -> tuple[int, int, torch.device]:
 
 
 @torch.no_grad()
-def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor, reward_fns: dict):
+def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor,
+            reward_fns: dict, progress: str = ""):
     """Sample, decode and score B samples (prompts[i] with conditioning row i) in chunks of
     rollout_batch_size; images are dropped after scoring. Returns final latents (B, ...) and rewards
-    {name: (B,)}."""
+    {name: (B,)}. progress: a bar's title (shown on a terminal), or none."""
     x0, scores = [], {name: [] for name in reward_fns}
-    for start in range(0, len(prompts), cfg.rollout_batch_size):
+    chunks = range(0, len(prompts), cfg.rollout_batch_size)
+    for start in tqdm(chunks, desc=progress, disable=None if progress else True, leave=False, dynamic_ncols=True):
         rows = slice(start, start + cfg.rollout_batch_size)
         with gathered_once(model.transformer) if cfg.rollout_gather_once else contextlib.nullcontext():
             x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
@@ -660,7 +664,8 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         signal.signal(sig, lambda *_: stop.update(requested=True))
     history, skipped_run = [], 0
 
-    bar = tqdm(range(start, cfg.iterations), disable=not master, desc="V-GRPO", dynamic_ncols=True)
+    # Progress on a terminal, from rank 0 (disable=None: off when stderr is not a terminal, as in a batch job's log).
+    bar = tqdm(range(start, cfg.iterations), disable=None if master else True, desc="V-GRPO", dynamic_ncols=True)
     for it in bar:
         timer = {"start": time.perf_counter()}
         # ---------------- 1. theta_old <- theta: the weights as they are now; nothing to copy.
@@ -715,6 +720,8 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             metrics.update(evaluate(cfg, model, rollout_velocity, eval_prompts, reward_fns, weights, rank, world, device,
                                     run_dir / "samples" / f"iter-{it:06d}.png" if master else None))
         tracker.log(it, metrics)
+        if master and "eval/reward_mean" in metrics:
+            runs.draw_curves(run_dir)
         if master and (it % cfg.log_every == 0 or it == cfg.iterations - 1):
             bar.write(f"iter {it}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in STDOUT_METRICS))
         history.append((it, metrics["reward_mean"], metrics.get("eval/reward_mean")))
@@ -743,7 +750,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     else:
         runs.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank)
         print0(summary_table(history))
-        print0(f"done: {run_dir}/final, metrics in {run_dir}/metrics.jsonl")
+        print0(closing_summary(run_dir, cfg, model, curves=master and runs.draw_curves(run_dir)))
     if dist.is_initialized():
         barrier()  # rank 0 may still be writing the export: nobody tears gloo/nccl down under it
         dist.destroy_process_group()
@@ -777,7 +784,7 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
     noise = initial_noise(cfg, model, "eval", 0, indices, device)
     chosen = [eval_prompts[i] for i in indices]
     cond = encode(model, [p.text for p in chosen], device, cfg.offload_text_encoders)
-    x0, scores = rollout(cfg, model, velocity, chosen, cond, noise, reward_fns)
+    x0, scores = rollout(cfg, model, velocity, chosen, cond, noise, reward_fns, progress="evaluating" if rank == 0 else "")
     totals = {n: torch.stack([(s * real).sum(), real.sum().float()]) for n, s in scores.items()}
     if dist.is_initialized():
         for v in totals.values():
@@ -792,6 +799,23 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
         captions = [f"{r['prompt']} | " + " ".join(f"{n} {v:.3f}" for n, v in r["rewards"].items()) for r in shown]
         runs.save_samples(model.decode(x0[:len(shown)]), captions, records, grid_path)
     return means
+
+
+def closing_summary(run_dir: Path, cfg: Config, model: models.FlowAdapter, curves: bool) -> str:
+    """The files a user opens next, and how the export loads."""
+    grids = sorted((run_dir / "samples").glob("iter-*.png"))
+    if cfg.lora_rank:
+        load = f'{model.pipeline_class}.from_pretrained(BASE).load_lora_weights("{run_dir}/final")'
+    else:
+        load = f'{type(model.transformer).__name__}.from_pretrained("{run_dir}/final/transformer")'
+    lines = [f"done: {run_dir}",
+             f"  samples  {grids[0]} (before) .. {grids[-1]} (after); prompts and rewards in the .json beside each"
+             if grids else "  samples  none (--eval_every 0)",
+             f"  curves   {run_dir / 'curves.png'}" if curves else "  curves   pip install matplotlib to draw curves.png",
+             f"  metrics  {run_dir / 'metrics.jsonl'}",
+             f"  export   {run_dir / 'final'}: {load}",
+             f"  compare  python evaluate.py --runs {run_dir}"]
+    return "\n".join(lines)
 
 
 def summary_table(history: list[tuple[int, float, float | None]]) -> str:
@@ -823,6 +847,7 @@ def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    runs.quiet_known_noise()
     try:
         cfg = parse_config(argv)
         if cfg.plan:
