@@ -32,6 +32,10 @@
    (V-GRPO at its defaults, at lr 3e-4, and with 2 gradient steps + x-space KL) against Flow-GRPO written for the
    pipeline (SDE rollouts, per-step Gaussian log-probs and clipped ratios, KL to the reference), 5 seeds, the same
    fixed evaluation: model evaluations and training time to an eval threshold, seeds reaching it, fall-back.
+10. Reward hacking on the same pipeline (`--sections 10`, 5 seeds x 5 settings): train.py trained on a reward that can
+   be gamed (JPEG incompressibility) with a held-out one monitored (the colour the prompt names), without a guard,
+   with the reference KL at two weights, with EMA and with both: trained against held-out reward, drift from the
+   base, and whether the hacking rule warned.
 
 Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
 The toy settings are vgrpo.ToyConfig's defaults, chosen in section 8 for stability and speed (lr 3e-3, x-space KL 0.3);
@@ -44,6 +48,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -546,6 +551,90 @@ def sd3_stability_report(runs: dict, out: Path, *, seeds, iterations: dict, eval
 
 
 # ----------------------------------------------------------------------------------------------
+# 10. Reward hacking and the guards against it
+
+HACKED, HELD_OUT = "jpeg_incompressibility", "color"  # trained on / monitored: JPEG size grows with noise and texture
+HACKING_VARIANTS = {
+    "no guard (tiny preset)": (),
+    "reference KL 0.3": ("--ref_kl_coef", "0.3"),
+    "reference KL 3": ("--ref_kl_coef", "3"),
+    "EMA 0.8, evaluated": ("--ema_decay", "0.8", "--eval_with_ema"),
+    "reference KL 0.3 + EMA 0.8": ("--ref_kl_coef", "0.3", "--ema_decay", "0.8", "--eval_with_ema"),
+}
+
+
+def hacking_run(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_every: int, flags=()) -> dict:
+    """train.py (tiny preset) trained on HACKED with HELD_OUT as a monitor; its evaluations, the drift from the base
+    (ref_kl, logged every iteration) and whether the hacking rule warned."""
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), "--model", str(model_dir),
+                           "--seed", str(seed), "--prompts", str(model_dir / "prompts.txt"), "--iterations",
+                           str(iterations), "--eval_every", str(eval_every), "--run_dir", str(run_dir), "--rewards",
+                           HACKED, "--monitor_rewards", HELD_OUT, *flags], check=True, capture_output=True, text=True)
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "eval/reward_mean" in m]
+    return {"iteration": [m["iteration"] for m in evals], "trained": [m[f"eval/{HACKED}_mean"] for m in evals],
+            "held_out": [m[f"eval/{HELD_OUT}_mean"] for m in evals], "ref_kl": [m["ref_kl"] for m in metrics],
+            "x0_rms": [m["x0_rms"] for m in metrics],
+            "warned": [int(w) for w in re.findall(r"possible reward hacking at iteration (\d+)", proc.stdout)]}
+
+
+def section_hacking(out: Path, seeds=SEEDS, iterations: int = 40, eval_every: int = 5, fit_steps: int | None = None,
+                    variants: dict = HACKING_VARIANTS) -> tuple[str, dict]:
+    root = Path(tempfile.mkdtemp())
+    fit_steps = train.Config().tiny_fit_steps if fit_steps is None else fit_steps
+    models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
+    (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(models.TINY_PROMPTS) + "\n")
+    runs = {name: [hacking_run(root / "tiny-sd3", root / f"{i}-{seed}", seed, iterations, eval_every, flags)
+                   for seed in seeds] for i, (name, flags) in enumerate(variants.items())}
+    return hacking_report(runs, out, seeds=seeds, iterations=iterations, eval_every=eval_every, fit_steps=fit_steps)
+
+
+def hacking_report(runs: dict, out: Path, *, seeds, iterations: int, eval_every: int, fit_steps: int) -> tuple[str, dict]:
+    """Section 10's table and plot from {variant: [run per seed]}: the change of the trained and of the held-out
+    evaluation reward from the first evaluation to the last, the final drift from the base, and the hacking rule."""
+    rows = []
+    for name, rs in runs.items():
+        gain = [r["trained"][-1] - r["trained"][0] for r in rs]
+        held = [r["held_out"][-1] - r["held_out"][0] for r in rs]
+        hacked = sum(g > 0 and h < 0 for g, h in zip(gain, held))
+        rows.append([name, mean_std(gain), mean_std(held), f"{hacked} of {len(rs)}", mean_std([r["ref_kl"][-1] for r in rs]),
+                     mean_std([r["x0_rms"][-1] / r["x0_rms"][0] - 1 for r in rs]),
+                     f"{sum(bool(r['warned']) for r in rs)} of {len(rs)}"
+                     + (f" (first at {int(np.median([r['warned'][0] for r in rs if r['warned']]))})"
+                        if any(r["warned"] for r in rs) else "")])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, rs in runs.items():
+            ax.plot(np.mean([r["trained"] for r in rs], 0), np.mean([r["held_out"] for r in rs], 0), marker="o",
+                    markersize=3, label=name)
+        ax.set(title=f"trained {HACKED} against held-out {HELD_OUT} (mean of {len(seeds)} seeds, one point per evaluation)",
+               xlabel=f"eval {HACKED} (trained)", ylabel=f"eval {HELD_OUT} (held out)")
+        ax.title.set_fontsize(8)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "reward_hacking.png", dpi=110)
+        plt.close(fig)
+    except ImportError:
+        pass
+    text = (f"Tiny SD3 fitted to toy images ({fit_steps} fitting steps), train.py's tiny preset trained for {iterations} "
+            f"iterations on {HACKED} (the JPEG size: grown by noise and texture, whatever the prompt asks) with "
+            f"{HELD_OUT} (does the image have the colour the prompt names) monitored on the 128 evaluation samples, "
+            f"evaluated every {eval_every} iterations; seeds {seeds[0]}-{seeds[-1]}, mean ± std. Changes are last "
+            "evaluation minus first; hacked = the trained reward rose while the held-out one fell; ref_kl = the x-space "
+            "distance of the model's x-predictions from the base model's on the iteration's pairs (the reference KL's "
+            "term, logged at weight 0 too); x0 drift = relative change of the rollouts' latent RMS; the rule = "
+            "train.py's hacking rule (defaults: z 3 over 3 evaluations) warned. Plot: reward_hacking.png.\n\n"
+            + table(["setting", f"trained {HACKED}", f"held-out {HELD_OUT}", "hacked", "final ref_kl", "x0 drift",
+                     "hacking rule warned"], rows))
+    return text, {"runs": runs}
+
+
+# ----------------------------------------------------------------------------------------------
 # 4. Overhead
 
 
@@ -961,7 +1050,8 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sections", default="1,2,3,4,5,7",
-                        help="comma-separated section numbers (6: real checkpoints, 8 and 9: stability)")
+                        help="comma-separated section numbers (6: real checkpoints, 8 and 9: stability, 10: "
+                             "reward hacking)")
     parser.add_argument("--out", default="results", help="output directory")
     parser.add_argument("--reduced", action="store_true",
                         help="section 6 on real-width, reduced-depth pipelines with random weights (no hub)")
@@ -981,6 +1071,7 @@ def main() -> None:
         7: ("7. Scale: the old-policy pass and FSDP2 rollout all-gathers", section_scale),
         8: ("8. Stability: learning rate against the gradient-step controls", lambda: section_stability(toy_model, out)),
         9: ("9. Stability on the tiny SD3 pipeline: V-GRPO against Flow-GRPO", lambda: section_sd3_stability(out)),
+        10: ("10. Reward hacking and the guards against it", lambda: section_hacking(out)),
         5: ("5. GPU throughput at the paper's model sizes", section_gpu),
         6: ("6. The real-model path on real checkpoints", lambda: section_real_models(
             reduced_checkpoints(Path(tempfile.mkdtemp())) if args.reduced else REAL_MODELS)),

@@ -1039,7 +1039,8 @@ class MemoryPlan:
 
 def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: int, gpu_gb: float, lora_params: int,
                 micro_rows: int, rollout_rows: int, grad_checkpointing: bool, gather_once: bool, reward_bytes: int,
-                offload_text_encoders: bool, activations: dict, decode_bytes: int) -> MemoryPlan:
+                offload_text_encoders: bool, activations: dict, decode_bytes: int, ema: bool = False,
+                reference_copy: bool = False) -> MemoryPlan:
     """Per-GPU memory of one training iteration under FSDP2 over `world` ranks, by phase.
 
     always: transformer shard (1/world of its weights, float32 where trained in full), replicated buffers, the
@@ -1047,7 +1048,9 @@ def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: i
     offloaded. encode: + text encoders. rollout: + the whole transformer gathered in dtype (gather_once; else two
     blocks at a time) and one block's intermediates for the rollout batch, or the VAE's largest layer. train: + the
     two largest blocks gathered (current + prefetched) and the activations saved for backward of one micro-batch
-    (micro_batch_size x K rows), or with checkpointing the blocks' inputs plus one block recomputed."""
+    (micro_batch_size x K rows), or with checkpointing the blocks' inputs plus one block recomputed. ema: + a
+    float32 copy of the trainable weights (sharded); reference_copy: + the frozen base transformer for the reference
+    KL under full fine-tuning (sharded, in dtype; under LoRA the reference is the same weights, adapters off)."""
     transformer = components["transformer"]
     blocks = blocks_of(transformer, adapter)
     n_params = sum(p.numel() for p in transformer.parameters())
@@ -1056,6 +1059,8 @@ def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: i
     buffers = sum(b.numel() * dtype.itemsize for b in transformer.buffers())
     trained = n_params if full_ft else lora_params
     states = trained * (12 if full_ft else 16) / world  # fp32 grads + 2 moments (+ the fp32 weight itself for LoRA)
+    ema_bytes = trained * 4 / world if ema else 0
+    reference = n_params * dtype.itemsize / world if reference_copy else 0
     text = sum(stored_bytes(m, dtype) for k, m in components.items() if k.startswith("text_encoder"))
     vae = stored_bytes(components["vae"], dtype)
     gathered = (n_params + lora_params) * dtype.itemsize if world > 1 else 0  # world 1: the weights are whole
@@ -1065,7 +1070,7 @@ def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: i
     train_act = saved_bytes([activations["other"]], micro_rows) + (
         saved_bytes(activations["inputs"], micro_rows) + max(blocks_saved) if grad_checkpointing else sum(blocks_saved))
     rollout_act = max(saved_bytes([p], rollout_rows) for p in activations["blocks"])
-    always = weights + buffers + states + vae + reward_bytes + (0 if offload_text_encoders else text)
+    always = weights + buffers + states + ema_bytes + reference + vae + reward_bytes + (0 if offload_text_encoders else text)
     g = lambda b: b / GiB  # noqa: E731
     shard = f"1/{world} shard" if world > 1 else "unsharded"
     rows = [
@@ -1073,6 +1078,8 @@ def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: i
         ("transformer buffers (replicated: position tables)", g(buffers), "always"),
         (f"trainable {trained / 1e6:.1f} M: float32 " + ("grads + AdamW" if full_ft else "weights + grads + AdamW"),
          g(states), "always"),
+        ("EMA of the trainable weights (float32)", g(ema_bytes), "always"),
+        (f"frozen base copy for the reference KL ({str(dtype)[6:]})", g(reference), "always"),
         ("VAE", g(vae), "always"),
         ("reward models", g(reward_bytes), "always"),
         (f"text encoders ({str(dtype)[6:]})", g(text), "encode" if offload_text_encoders else "always"),
@@ -1084,10 +1091,11 @@ def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: i
         (f"activations saved for backward ({micro_rows} rows, checkpointing {'on' if grad_checkpointing else 'off'})",
          g(train_act), "train"),
     ]
+    held = lambda phase: sum(gib for _, gib, when in rows if when == phase)  # noqa: E731
     phases = {"encode": g(always + (text if offload_text_encoders else 0)),
-              "rollout": g(always) + rows[6][1] + rows[7][1],
-              "train": g(always) + rows[8][1] + rows[9][1]}
-    return MemoryPlan(rows, phases, gpu_gb)
+              "rollout": g(always) + held("rollout"), "train": g(always) + held("train")}
+    optional = ("EMA", "frozen base")  # rows of features that are off: not shown
+    return MemoryPlan([r for r in rows if r[1] or not r[0].startswith(optional)], phases, gpu_gb)
 
 
 def decode_intermediates(components: dict, adapter: type, *, resolution: int, rows: int, dtype: torch.dtype) -> int:
@@ -1158,7 +1166,8 @@ def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[M
                              for name in rewards.parse_reward_spec(c.rewards)),
             offload_text_encoders=c.offload_text_encoders, activations=activations,
             decode_bytes=decode_intermediates(components, adapter, resolution=cfg.resolution, rows=rollout_rows,
-                                              dtype=dtype))
+                                              dtype=dtype),
+            ema=c.ema_decay > 0, reference_copy=c.ref_kl_coef > 0 and not c.lora_rank)
 
     plan = plan_of(cfg)
     if plan.fits():

@@ -48,9 +48,11 @@ class ConfigError(ValueError):
 # Messages the libraries print on a default run that say nothing a user of this project can act on, matched by
 # their text: transformers' "CLIPImageProcessor / SiglipImageProcessor requires torchvision ... falling back to the
 # PIL processor" (printed when diffusers imports its IP-adapter classes; every processor here is the PIL one anyway),
-# and diffusers' "No LoRA keys associated to CLIPTextModelWithProjection" (pipe.load_lora_weights on an export that,
-# by design, trains only the transformer). Every other warning still prints.
-KNOWN_NOISE = ("requires torchvision (not installed); falling back to", "No LoRA keys associated to ")
+# diffusers' "No LoRA keys associated to CLIPTextModelWithProjection" (pipe.load_lora_weights on an export that,
+# by design, trains only the transformer), and its "modules ... that should be kept in float32: []" when a cast has an
+# empty list of such modules to keep. Every other warning still prints.
+KNOWN_NOISE = ("requires torchvision (not installed); falling back to", "No LoRA keys associated to ",
+               "that should be kept in float32: []")
 
 
 class _KnownNoise(logging.Filter):
@@ -122,14 +124,16 @@ def state_options():
     return StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
-def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int) -> None:
+def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int, ema: dict | None = None) -> None:
+    """model (trainable weights), optim (AdamW) and, with an EMA, ema {parameter name: float32 tensor, sharded as the
+    weights}: one DCP checkpoint, plus each rank's RNG state, state.json and the manifest."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp-{iteration:06d}", root / f"iter-{iteration:06d}"
     add_unstepped_state(optimizer)
     model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp))
+    dcp.save({"model": model_state, "optim": optim_state, **({"ema": ema} if ema else {})}, checkpoint_id=str(tmp))
     torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
                tmp / f"rng-rank{rank}.pt")
     barrier()
@@ -211,15 +215,23 @@ class SafeCheckpointReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         with open(Path(self.path) / ".metadata", "rb") as file:
             metadata = CheckpointUnpickler(file).load()
+        # Every file the metadata points at must lie in the checkpoint's own folder: a .metadata of allowed classes
+        # could otherwise name ../../elsewhere.distcp and resume from a file nobody checked against the manifest.
+        root = Path(self.path).resolve()
+        for info in (getattr(metadata, "storage_data", None) or {}).values():
+            target = (root / str(info.relative_path)).resolve()
+            if target.parent != root:
+                raise pickle.UnpicklingError(f"its metadata points at {info.relative_path}, outside the checkpoint folder")
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
-    """Restores model, optimizer and RNG states after checking the checkpoint against its manifest; returns
-    the iteration to continue from. Refuses a checkpoint that is not what save_checkpoint wrote, in one line."""
+def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int, ema: dict | None = None) -> int:
+    """Restores model, optimizer, EMA (in place into `ema`'s tensors) and RNG states after checking the checkpoint
+    against its manifest; returns the iteration to continue from. Refuses a checkpoint that is not what
+    save_checkpoint wrote, in one line."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root = run_dir / "checkpoints"
@@ -230,7 +242,7 @@ def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
     if problem:
         raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {problem}")
     model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
-    state = {"model": model_state, "optim": optim_state}
+    state = {"model": model_state, "optim": optim_state, **({"ema": ema} if ema else {})}
     reader = SafeCheckpointReader(path)
     try:
         reader.read_metadata()  # here, so a refusal is one line (inside dcp.load it becomes a CheckpointException)
@@ -254,9 +266,10 @@ def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int) -> int:
 # Export: what a user loads into diffusers
 
 
-def export_final(out: Path, model, lora: bool, rank: int) -> None:
+def export_final(out: Path, model, lora: bool, rank: int, info: dict | None = None) -> None:
     """LoRA in the diffusers LoRA format (pipe.load_lora_weights) or the full transformer
-    (from_pretrained), gathered from the shards onto rank 0."""
+    (from_pretrained), gathered from the shards onto rank 0; export.json beside it says which weights it holds
+    (info: trained or EMA, the iteration)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     full = get_model_state_dict(model.transformer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -266,6 +279,7 @@ def export_final(out: Path, model, lora: bool, rank: int) -> None:
     tmp, old = out.with_name(f".{out.name}.tmp"), out.with_name(f".{out.name}.old")
     shutil.rmtree(tmp, ignore_errors=True)
     write_export(tmp, model, full, lora)
+    (tmp / "export.json").write_text(json.dumps(info or {"weights": "trained"}, indent=1))
     if out.exists():
         os.replace(out, old)
     os.replace(tmp, out)
@@ -298,8 +312,16 @@ def trim_metrics(path: Path, start: int) -> None:
     checkpointing would otherwise leave them in metrics.jsonl twice. Rewritten through a temp file."""
     if not path.is_file():
         return
-    lines = [line for line in path.read_text().splitlines() if line and json.loads(line)["iteration"] < start]
-    path.with_suffix(".tmp").write_text("".join(line + "\n" for line in lines))
+    kept, torn = [], 0
+    for line in filter(None, path.read_text().splitlines()):
+        try:
+            if json.loads(line)["iteration"] < start:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):  # a line a crash cut short: say so and drop it
+            torn += 1
+    if torn:
+        print(f"note: {path}: dropped {torn} incomplete line(s) that a crash left", flush=True)
+    path.with_suffix(".tmp").write_text("".join(line + "\n" for line in kept))
     os.replace(path.with_suffix(".tmp"), path)
 
 
@@ -363,14 +385,53 @@ def save_samples(images: torch.Tensor, captions: list[str], records: list[dict] 
         path.with_suffix(".json").write_text(json.dumps(records, indent=1))
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The lines of run_dir/metrics.jsonl ([] if there is none); a line torn by a crash is left out."""
+    path, history = run_dir / "metrics.jsonl", []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            history.append(json.loads(line))
+    return history
+
+
 def draw_curves(run_dir: Path) -> bool:
     """run_dir/curves.png from its metrics.jsonl: training reward per reward name, evaluation rewards, the KL terms
     and the clip fraction against the iteration. False (nothing drawn) if matplotlib is not installed."""
-    history = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        with contextlib.suppress(ValueError):  # a line torn by a crash is left out of the picture
-            history.append(json.loads(line))
-    return plot_curves(history, run_dir / "curves.png")
+    return plot_curves(read_metrics(run_dir), run_dir / "curves.png")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reward hacking: the rules that warn (or stop the run with --stop_on_hacking)
+
+
+def hacking(evals: list[dict], monitored: list[str], *, window: int, z: float, samples: int) -> str:
+    """'' unless the last evaluation against the one `window` evaluations earlier shows the trained reward
+    (eval/reward_mean) higher while a monitored reward's mean fell by more than z standard errors of the difference,
+    sqrt(se_then^2 + se_now^2) with se = std over the evaluation samples / sqrt(samples): the model scores better on
+    what it is trained on and worse on what it does not see. Evaluation noise alone crosses z = 3 about 1 time in
+    700 per monitored reward and evaluation."""
+    if len(evals) <= window:
+        return ""
+    then, now = evals[-1 - window], evals[-1]
+    if not now["eval/reward_mean"] > then["eval/reward_mean"]:
+        return ""
+    reasons = []
+    for name in monitored:
+        before, after = then[f"eval/{name}_mean"], now[f"eval/{name}_mean"]
+        se = math.hypot(then[f"eval/{name}_std"], now[f"eval/{name}_std"]) / math.sqrt(samples)
+        if before - after > z * se:
+            reasons.append(f"the monitored {name} fell from {before:.4g} to {after:.4g} ({(before - after) / se:.1f} "
+                           f"standard errors) while the trained reward rose from {then['eval/reward_mean']:.4g} to "
+                           f"{now['eval/reward_mean']:.4g} (iterations {then['iteration']} -> {now['iteration']})")
+    return "; ".join(reasons)
+
+
+def x0_drift(x0_rms: float, first: float, bound: float) -> str:
+    """'' unless the rollouts' mean latent RMS moved from the first iteration's by more than the relative bound
+    (0: not checked): images drifting brighter, more saturated or towards noise move it."""
+    if not bound or abs(x0_rms / first - 1) <= bound:
+        return ""
+    return f"the rollouts' latent RMS moved from {first:.4g} to {x0_rms:.4g}, beyond --max_x0_drift {bound:g}"
 
 
 def plot_curves(history: list[dict], path: Path) -> bool:

@@ -1640,11 +1640,15 @@ def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dir
 def test_new_family_trains_with_cfg_under_fsdp2_resumes_and_exports_exactly(family, tiny_dirs, tmp_path):
     """Qwen-Image and FLUX.2 [klein] through train.py with their pipelines' CFG (the presets' rollouts): 2 processes
     train the model 1 process trains, the LoRA gathered from the shards loads into diffusers with the trained output,
-    and a run resumed from iteration 1 continues exactly as a straight one."""
-    common = ["--model", tiny_dirs / family, "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN, "--cfg_scale", "4"]
+    and a run resumed from iteration 1 continues exactly as a straight one. With the reference KL (the adapters
+    switched off on the sharded transformer) and an EMA (sharded, in the checkpoint)."""
+    common = ["--model", tiny_dirs / family, "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN, "--cfg_scale", "4",
+              "--ref_kl_coef", "0.3", "--ema_decay", "0.5"]
     run_train(*common, "--run_dir", tmp_path / "one")
     run_train(*common, "--run_dir", tmp_path / "two", nproc=2)
     assert_same_training(tmp_path / "one", tmp_path / "two")
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert one[0]["ref_kl"] == two[0]["ref_kl"] == 0.0 and two[1]["ref_kl"] == pytest.approx(one[1]["ref_kl"], rel=0.05)
     assert_export_reproduces_training(tmp_path / "two", tiny_dirs / family, family, lora=True)
     run_train(*common, "--run_dir", tmp_path / "straight", "--iterations", "3")
     shutil.copytree(tmp_path / "one", tmp_path / "resumed")  # checkpoint at iteration 1
@@ -1837,6 +1841,27 @@ def test_divergence_counts_consecutive_skipped_steps(monkeypatch):
     assert ok(skipped_run=0) == "the trainable weights are not finite"
 
 
+def run_on_a_terminal(cmd, timeout=600) -> str:
+    """cmd with stdout and stderr on a pseudo-terminal of 160 columns (tqdm draws bars only on a terminal); its output."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen(cmd, stdout=follower, stderr=follower, cwd=ROOT)
+    os.close(follower)
+    seen = b""
+    with contextlib.suppress(OSError):  # EIO once the process has closed its end
+        while chunk := os.read(leader, 65536):
+            seen += chunk
+    os.close(leader)
+    output = seen.decode(errors="replace")
+    assert proc.wait(timeout=timeout) == 0, output[-3000:]
+    return output
+
+
 def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     """`python train.py`: the tiny SD3 model fitted to toy images learns to paint the colour its prompt names.
     Another CPU's float rounding makes it another run, so the bounds come from the spread over RL seeds (one fitted
@@ -1844,14 +1869,16 @@ def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     with the tiny preset's 2 gradient steps and KL (bench.py section 9, mean 0.044), 0.031-0.054 over 4 seeds with the
     former single step; the bound sits below both. With the former 8 evaluation samples one CPU's run ended at +0.019
     after +0.040 at iteration 10: the eval noise of 8 samples."""
-    proc = run_train("--run_dir", tmp_path)
-    assert "iteration | reward_mean" in proc.stdout
-    # The first minute and the last screen: no warning a user cannot act on (nothing at all on stderr when it is not
-    # a terminal: the progress bars stay quiet there), and a closing summary naming the files to open next.
-    assert not re.search(r"warn|deprecat", proc.stderr, re.IGNORECASE), proc.stderr[-3000:]
+    output = run_on_a_terminal([sys.executable, str(ROOT / "train.py"), "--run_dir", str(tmp_path)])
+    assert "iteration | reward_mean" in output
+    # The first minute and the last screen, as on a terminal: a progress bar for the tiny fit, the iterations and each
+    # evaluation, no warning a user cannot act on, and a closing summary naming the files to open next.
+    for bar in ("fitting the tiny model to toy images", "V-GRPO", "evaluating"):
+        assert bar in output, output[-2000:]
+    assert not re.search(r"warn|deprecat", output, re.IGNORECASE), output[-3000:]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     for line in (f"done: {tmp_path}", "samples  ", "curves   ", "export   ", f"python evaluate.py --runs {tmp_path}"):
-        assert line in proc.stdout, proc.stdout[-2000:]
+        assert line in output, output[-2000:]
     metrics = read_metrics(tmp_path)
     evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
     assert len(evals) == 5 and np.mean(evals[-3:]) > evals[0] + 0.015, evals  # 2.3 std below the mean gain
@@ -1860,31 +1887,6 @@ def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     first, last = np.mean([m["reward_mean"] for m in metrics[:5]]), np.mean([m["reward_mean"] for m in metrics[-10:]])
     assert last > first, (first, last)
 
-
-
-def test_progress_shows_on_a_terminal_from_the_tiny_fit_on(tmp_path):
-    """On a terminal the tiny model's fit, the iterations and the evaluation each show a bar (tqdm writes to the
-    terminal only: the test above sees none without one)."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    leader, follower = pty.openpty()
-    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty is 0 columns wide
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--run_dir", str(tmp_path), "--tiny_fit_steps", "3",
-                             "--iterations", "1", "--eval_samples", "8"], stdout=follower, stderr=follower, cwd=ROOT)
-    os.close(follower)
-    seen = b""
-    with contextlib.suppress(OSError):  # EIO once the process has closed its end
-        while chunk := os.read(leader, 65536):
-            seen += chunk
-    os.close(leader)
-    assert proc.wait(timeout=300) == 0
-    text = seen.decode(errors="replace")
-    for bar in ("fitting the tiny model to toy images", "V-GRPO", "evaluating"):
-        assert bar in text, text[-2000:]
-    assert not re.search(r"warn", text, re.IGNORECASE), text[-2000:]
 
 
 def test_curves_are_drawn_from_metrics_and_a_missing_matplotlib_is_a_hint(tmp_path, monkeypatch):
@@ -2134,6 +2136,159 @@ def test_evaluate_error_is_one_line_on_stderr_without_traceback():
     result = run_evaluate("--runs", "/nonexistent")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == ["error: --runs /nonexistent: no checkpoint there (checkpoints/latest is missing)"]
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Guards against reward hacking: the reference KL, EMA, monitors
+
+
+def test_policy_loss_adds_the_reference_kl_computed_by_hand():
+    g = torch.Generator().manual_seed(0)
+    s_new, s_old, adv = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g), torch.randn(4, generator=g)
+    x_new, x_old, x_ref = (torch.randn(4, 3, 2, 5, generator=g) for _ in range(3))
+    base, _ = vgrpo.policy_loss(s_new, s_old, adv, clip_eps=0.2)
+    loss, metrics = vgrpo.policy_loss(s_new, s_old, adv, clip_eps=0.2, kl_coef=0.3, x_new=x_new, x_old=x_old,
+                                      ref_kl_coef=0.7, x_ref=x_ref)
+    d = lambda a, b: np.mean([np.mean((a[i] - b[i]).numpy() ** 2) for i in range(4)])  # noqa: E731
+    assert metrics["ref_kl"].item() == pytest.approx(d(x_new, x_ref), rel=1e-6)
+    assert loss.item() == pytest.approx(base.item() + 0.3 * d(x_new, x_old) + 0.7 * d(x_new, x_ref), rel=1e-6)
+    assert "ref_kl" not in vgrpo.policy_loss(s_new, s_old, adv)[1]  # logged only with a reference
+    with pytest.raises(ValueError, match="ref_kl_coef > 0 needs"):
+        vgrpo.policy_loss(s_new, s_old, adv, ref_kl_coef=0.1, x_new=x_new)
+
+
+def tiny_lora_model(tiny_dirs, **settings):
+    cfg = train.Config(model=str(tiny_dirs / "sd3"), **settings)
+    model = train.load_pipeline(cfg, "sd3", torch.device("cpu"), torch.float32)
+    return cfg, model
+
+
+def test_reference_is_the_base_model_exactly_and_its_kl_is_zero_before_the_first_step(tiny_dirs):
+    """Under LoRA the reference is the trained transformer with its adapters off: its velocity equals the base
+    model's exactly; switched back on, the LoRA trains again. ref_kl is exactly 0 before any step (LoRA's B starts at
+    0) and, after one, the x-space distance of the two models' predictions on the same pairs, computed by hand."""
+    cfg, model = tiny_lora_model(tiny_dirs)
+    g = torch.Generator().manual_seed(0)
+    cond = {k: v.repeat_interleave(4, 0) for k, v in model.encode(["a red car", "a blue flower"]).items()}
+    x0, z, t = torch.randn(8, *model.latent_shape(), generator=g), torch.randn(8, *model.latent_shape(), generator=g), torch.rand(8, generator=g)
+    with torch.no_grad():
+        v_base = model.velocity(z, t, cond)
+    train.make_trainable(model.transformer, cfg)
+    with torch.no_grad():
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:  # a trained adapter: not the identity
+                p.normal_(0, 0.05, generator=g)
+        v_lora = model.velocity(z, t, cond)
+        base_velocity = train.frozen_base_velocity(model, None, lora=True)
+        assert torch.equal(base_velocity(z, t, cond), v_base) and not torch.equal(v_lora, v_base)
+        assert torch.equal(model.velocity(z, t, cond), v_lora)  # adapters back on
+    trainable = [p for p in model.transformer.parameters() if p.requires_grad]
+    assert trainable and all("lora" in n for n, p in model.transformer.named_parameters() if p.requires_grad)
+    # the update: ref_kl at 0 before any step of a fresh adapter, then the hand-computed drift
+    cfg, model = tiny_lora_model(tiny_dirs)
+    train.make_trainable(model.transformer, cfg)
+    optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad], lr=1e-2)
+    surrogate = partial(vgrpo.elbo_surrogate, model.velocity)
+    reference = partial(vgrpo.elbo_surrogate, train.frozen_base_velocity(model, None, lora=True))
+    t_pairs, eps = vgrpo.draw_mc_pairs(2, 4, 2, x0.shape[1:], generator=g)
+    adv = torch.randn(8, generator=g)
+    first = vgrpo.vgrpo_update(surrogate, optimizer, vgrpo.Rollouts(x0, cond, adv, t_pairs, eps), micro_batch_size=4,
+                               reference=reference, ref_kl_coef=0.5)
+    assert first["ref_kl"] == 0.0
+    second = vgrpo.vgrpo_update(surrogate, optimizer, vgrpo.Rollouts(x0, cond, adv, t_pairs, eps), micro_batch_size=4,
+                                reference=reference)  # at weight 0: logged from the first micro-batch only
+    with torch.no_grad():
+        x_new = surrogate(x0[:4], {k: v[:4] for k, v in cond.items()}, t_pairs[:4], eps[:4])[1]
+        x_ref = reference(x0[:4], {k: v[:4] for k, v in cond.items()}, t_pairs[:4], eps[:4])[1]
+    expected = ((x_new - x_ref) ** 2).flatten(1).mean(1).mean().item()
+    assert expected > 0 and second["ref_kl"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_ema_after_n_iterations_is_the_closed_form_and_swaps_in_and_back():
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(3, 4, generator=g) for _ in range(6)]  # w_0 (the start) .. w_5
+    param = weights[0].clone()
+    ema = [param.clone()]
+    for w in weights[1:]:
+        param.copy_(w)
+        train.ema_update(ema, [param], 0.8)
+    n = len(weights) - 1
+    closed = 0.8 ** n * weights[0] + sum(0.2 * 0.8 ** (n - k) * weights[k] for k in range(1, n + 1))
+    torch.testing.assert_close(ema[0], closed, rtol=1e-6, atol=1e-7)
+    before, ema_before = param.clone(), ema[0].clone()
+    with train.ema_weights([param], ema):  # evaluation / export with the EMA, then the trained weights back
+        assert torch.equal(param, ema_before)
+    assert torch.equal(param, before) and torch.equal(ema[0], ema_before)
+
+
+def ema_state(run_dir, tiny_dirs):
+    """The EMA tensors of a run's last checkpoint, read back through load_checkpoint."""
+    cfg = train.parse_config(["--resume", str(run_dir)])
+    model = train.load_pipeline(cfg, "sd3", torch.device("cpu"), torch.float32)
+    train.make_trainable(model.transformer, cfg)
+    named = [(n, p) for n, p in model.transformer.named_parameters() if p.requires_grad]
+    ema = {n: torch.zeros_like(p) for n, p in named}
+    runs.load_checkpoint(Path(run_dir), model.transformer, torch.optim.AdamW([p for _, p in named]), 0, ema=ema)
+    return ema, dict(named)
+
+
+def test_ema_resumes_bit_identically_after_kill_9_and_the_export_says_it_holds_the_ema(tiny_dirs, tmp_path):
+    common = ["--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN, "--iterations", "4",
+              "--ema_decay", "0.5", "--export_ema", "--save_every", "1", "--eval_every", "0"]
+    run_train(*common, "--run_dir", tmp_path / "straight")
+    cmd = [sys.executable, str(ROOT / "train.py"), *map(str, common), "--run_dir", str(tmp_path / "killed")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest, deadline = tmp_path / "killed" / "checkpoints" / "latest", time.time() + 300
+    while not (latest.is_file() and latest.read_text() in ("iter-000001", "iter-000002")):
+        assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before it could be killed"
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: nothing runs after it
+    proc.wait()
+    run_train("--resume", tmp_path / "killed")
+    ema_straight, trained = ema_state(tmp_path / "straight", tiny_dirs)
+    ema_resumed, _ = ema_state(tmp_path / "killed", tiny_dirs)
+    for name, tensor in ema_straight.items():
+        assert torch.equal(ema_resumed[name], tensor), name
+    assert json.loads((tmp_path / "straight" / "final" / "export.json").read_text())["weights"] == "ema"
+    exported = lora_weights(tmp_path / "straight")
+    for name, tensor in ema_straight.items():  # peft "x.lora_A.default.weight" is "transformer.x.lora_A.weight"
+        key = "transformer." + name.replace(".default", "")
+        assert torch.equal(exported[key], tensor), key
+    assert any(not torch.equal(ema_straight[n], trained[n]) for n in ema_straight)  # the EMA is not the weights
+
+
+def evals_history(reward, monitor, *, std=0.05):
+    return [{"iteration": 10 * i, "eval/reward_mean": r, "eval/color_mean": r, "eval/color_std": std,
+             "eval/aesthetic_mean": m, "eval/aesthetic_std": std} for i, (r, m) in enumerate(zip(reward, monitor))]
+
+
+def test_hacking_rule_fires_on_a_rising_reward_with_a_falling_monitor_and_not_on_noise():
+    rise, fall = [0.50, 0.52, 0.55, 0.58, 0.61], [0.60, 0.59, 0.57, 0.54, 0.52]
+    fired = runs.hacking(evals_history(rise, fall), ["aesthetic"], window=3, z=3.0, samples=128)
+    assert "the monitored aesthetic fell from 0.59 to 0.52" in fired and "iterations 10 -> 40" in fired
+    assert not runs.hacking(evals_history(rise, fall[::-1]), ["aesthetic"], window=3, z=3.0, samples=128)  # both rise
+    assert not runs.hacking(evals_history(rise[::-1], fall), ["aesthetic"], window=3, z=3.0, samples=128)  # both fall
+    assert not runs.hacking(evals_history(rise[:3], fall[:3]), ["aesthetic"], window=3, z=3.0, samples=128)  # too short
+    # noise: means of 128 samples of std 0.05 around constant values fire in well under 1% of windows at z = 3
+    rng = np.random.default_rng(0)
+    noise = lambda: list(0.5 + rng.normal(0, 0.05 / math.sqrt(128), 5))  # noqa: E731
+    fires = sum(bool(runs.hacking(evals_history(noise(), noise()), ["aesthetic"], window=3, z=3.0, samples=128))
+                for _ in range(2000))
+    assert fires <= 10, fires  # expected about 2000 x 0.5 x 0.00135 = 1.4
+    assert runs.x0_drift(1.6, 1.0, 0.5) and not runs.x0_drift(1.4, 1.0, 0.5) and not runs.x0_drift(9.0, 1.0, 0.0)
+
+
+def test_monitored_rewards_are_evaluated_not_trained_and_the_rule_warns(tiny_dirs, tmp_path):
+    """A monitor is scored on the evaluation samples only: eval/jpeg_compressibility_mean appears, the training
+    metrics have no reward/jpeg_compressibility; the reference KL is logged (weight 0 here) with its NFE."""
+    run_dir = tmp_path / "monitored"
+    proc = run_train("--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN,
+                     "--monitor_rewards", "jpeg_compressibility", "--max_x0_drift", "1e-9", "--run_dir", run_dir)
+    metrics = read_metrics(run_dir)
+    assert "eval/jpeg_compressibility_mean" in metrics[0] and "reward/jpeg_compressibility_mean" not in metrics[0]
+    assert metrics[0]["ref_kl"] == 0.0 and metrics[1]["ref_kl"] > 0 and metrics[0]["nfe_ref"] == pytest.approx(8 * 4 / 8)
+    assert "warning: possible reward hacking at iteration 1: the rollouts' latent RMS moved" in proc.stdout
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2443,6 +2598,34 @@ def test_plan_cli_says_whether_it_fits_from_a_config_only_directory(real_dirs, t
     assert plan(*tight, *shlex.split(advice.group(1)))[0] == 0  # the advice is a configuration that fits
 
 
+@pytest.mark.parametrize("lora_rank", [32, 0])
+def test_memory_plan_counts_the_trainable_state_ema_and_reference_copy_as_allocated(lora_rank, tiny_dirs):
+    """The plan's rows for the trained weights' float32 state (LoRA: weight + grad + 2 AdamW moments; full
+    fine-tuning: grad + 2 moments, the weight itself is the float32 'transformer weights' row), the EMA and the frozen
+    base copy of the reference KL, against the bytes a real step allocates. (A LoRA state of 12 bytes per parameter,
+    the float32 master weight forgotten, passed every other test.)"""
+    cfg = train.Config(model=str(tiny_dirs / "sd3"), lora_rank=lora_rank, ema_decay=0.9, ref_kl_coef=0.1,
+                       dtype="float32")
+    plan, _ = models.plan_memory(cfg, "sd3", 1, 80.0, partial(train.make_trainable, cfg=cfg))
+    planned = {part.split(" ")[0]: gib * models.GiB for part, gib, _ in plan.rows}
+    model = train.load_pipeline(cfg, "sd3", torch.device("cpu"), torch.float32)
+    copy_bytes = sum(p.numel() * p.element_size() for p in model.transformer.parameters())
+    train.make_trainable(model.transformer, cfg)
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values() if t.dim())
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params)
+    weights = sum(p.numel() * p.element_size() for p in params)
+    assert planned["trainable"] == state + grads + (weights if lora_rank else 0)
+    assert planned["EMA"] == weights
+    if lora_rank:
+        assert "frozen" not in planned  # under LoRA the reference is the same weights, adapters off
+    else:
+        assert planned["frozen"] == copy_bytes
+
 @pytest.mark.parametrize("family", list(models.ADAPTERS))
 def test_cond_like_is_shaped_like_encode(family):
     """The plan runs the transformer on cond_like(); it must be what encode() gives the transformer in training."""
@@ -2554,6 +2737,10 @@ BAD_INPUTS = [
     (["--prompts", "drawbench"], "prompt set 'drawbench' has no 'train' split; it has test"),
     (["--prompts", "pickapic_v3"], "is neither a prompt file (.txt or .jsonl) nor a named set"),
     (["--model", "{tmp}/sd3_index"], "--prompts is required for a real model"),
+    (["--monitor_rewards", "colour"], "--monitor_rewards: unknown reward 'colour'"),
+    (["--monitor_rewards", "color"], "--monitor_rewards color: already trained on"),
+    (["--export_ema"], "--eval_with_ema / --export_ema need an EMA: set --ema_decay"),
+    (["--resume", "{tmp}/run", "--ema_decay", "0.9"], "--ema_decay 0.9 differs from the resumed run's 0.0"),
 ]
 
 
@@ -2605,7 +2792,8 @@ BAD_NUMBERS = {
     "soft_clip_eta": 0, "clip_eps": -1, "kl_coef": -1, "num_grad_steps": 0, "iterations": 0, "lr": 1e30,
     "weight_decay": -0.1, "max_grad_norm": -1, "lora_rank": -1, "lora_alpha": 0, "micro_batch_size": 0,
     "rollout_batch_size": 0, "hsdp": -1, "max_skipped_steps": 0, "seed": -1, "log_every": 0, "eval_every": -1,
-    "save_every": 0, "plan_world_size": -1, "plan_gpu_gb": -1, "eval_samples": 0,
+    "save_every": 0, "plan_world_size": -1, "plan_gpu_gb": -1, "eval_samples": 0, "ref_kl_coef": -0.1,
+    "ema_decay": 1.0, "hacking_z": 0, "hacking_window": 0, "max_x0_drift": -1,
 }
 
 

@@ -30,6 +30,7 @@ old-policy pass and the first gradient pass agree exactly.
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import importlib.util
 import json
@@ -107,6 +108,19 @@ class Config:
     clip_eps: float | None = arg(None, "PPO ratio clip epsilon (acts when num_grad_steps > 1); none = off")
     kl_coef: float = arg(0.0, "weight of the x-space KL to the behaviour policy (Eq. 16)")
     num_grad_steps: int = arg(1, "optimizer steps per rollout batch (1 = fully on-policy)")
+    # --- guards against reward hacking (not in the paper; docs/training.md, "Reward hacking")
+    ref_kl_coef: float = arg(0.0, "weight of the x-space KL to the frozen base model (LoRA: the adapters switched off; "
+                                  "full fine-tuning: a frozen copy); under LoRA ref_kl is logged at 0 too")
+    ema_decay: float = arg(0.0, "EMA of the trainable weights, updated once per iteration, float32 (0 = off)")
+    eval_with_ema: bool = arg(False, "evaluate the EMA weights instead of the trained ones")
+    export_ema: bool = arg(False, "export the EMA weights instead of the trained ones (final/export.json says which)")
+    monitor_rewards: str = arg("", "rewards scored on the evaluation samples but not trained on, comma-separated")
+    hacking_z: float = arg(3.0, "the hacking rule: a monitored reward falling by more than this many standard errors "
+                                "while the trained reward rises over hacking_window evaluations")
+    hacking_window: int = arg(3, "evaluations the hacking rule looks back")
+    max_x0_drift: float = arg(0.0, "the hacking rule: a relative change of the rollouts' mean latent RMS from the "
+                                   "first iteration's beyond this (0 = not checked)")
+    stop_on_hacking: bool = arg(False, "stop when the hacking rule fires (default: warn and go on)")
     # --- optimisation
     iterations: int = arg(40, "training iterations")
     lr: float = arg(1e-3, "AdamW learning rate")
@@ -211,13 +225,13 @@ def parse_config(argv: list[str] | None = None) -> Config:
         for name in FIXED_ON_RESUME:
             if name in given and given[name] != values[name]:
                 raise ConfigError(f"--{name} {given[name]} differs from the resumed run's {values[name]}: its checkpoint "
-                                  f"holds that model and adapter; drop --{name} or start a new run")
+                                  f"holds that model, adapter and EMA; drop --{name} or start a new run")
     values.update(given)
     return Config(**values)
 
 
 # What a checkpoint's tensors are shaped by: a resumed run keeps them.
-FIXED_ON_RESUME = ("model", "lora_rank", "lora_alpha", "lora_targets")
+FIXED_ON_RESUME = ("model", "lora_rank", "lora_alpha", "lora_targets", "ema_decay")
 
 
 def read_run_config(path: Path) -> dict:
@@ -254,7 +268,9 @@ NUMERIC_RULES = {
     "lr": _positive(1), "weight_decay": _at_least(0), "max_grad_norm": _positive(), "lora_rank": _at_least(0),
     "lora_alpha": _positive(), "micro_batch_size": _at_least(1), "rollout_batch_size": _at_least(1),
     "hsdp": _at_least(0), "max_skipped_steps": _at_least(1), "seed": _at_least(0), "log_every": _at_least(1),
-    "eval_every": _at_least(0), "eval_samples": _at_least(1),
+    "eval_every": _at_least(0), "eval_samples": _at_least(1), "ref_kl_coef": _at_least(0),
+    "ema_decay": (lambda v: 0 <= v < 1, ">= 0 and < 1 (0 = off)"), "hacking_z": _positive(),
+    "hacking_window": _at_least(1), "max_x0_drift": _at_least(0),
     "save_every": _at_least(1), "plan_world_size": _at_least(0), "plan_gpu_gb": _at_least(0),
 }
 
@@ -300,11 +316,21 @@ def validate(cfg: Config, world_size: int) -> str:
     except ValueError as error:
         raise ConfigError(f"--rewards: {error}") from None
     try:
-        options = json.loads(cfg.reward_options)
+        monitored = rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {}
     except ValueError as error:
+        raise ConfigError(f"--monitor_rewards: {error}") from None
+    if set(monitored) & set(weights):
+        raise ConfigError(f"--monitor_rewards {', '.join(set(monitored) & set(weights))}: already trained on (--rewards); "
+                          "a monitor is a reward the run does not see")
+    try:
+        options = json.loads(cfg.reward_options)
+    except (ValueError, RecursionError) as error:
         raise ConfigError(f"--reward_options is not valid JSON: {error}") from None
-    if not isinstance(options, dict) or not set(options) <= set(weights):
-        raise ConfigError(f"--reward_options must map names from --rewards ({', '.join(weights)}) to option dicts")
+    if not isinstance(options, dict) or not set(options) <= set(weights) | set(monitored):
+        raise ConfigError(f"--reward_options must map names from --rewards and --monitor_rewards "
+                          f"({', '.join([*weights, *monitored])}) to option dicts")
+    if (cfg.eval_with_ema or cfg.export_ema) and not cfg.ema_decay:
+        raise ConfigError("--eval_with_ema / --export_ema need an EMA: set --ema_decay (e.g. 0.9)")
     for name, given in options.items():
         try:
             rewards.check_options(name, given)
@@ -632,19 +658,26 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     weights = rewards.parse_reward_spec(cfg.rewards)
     options = json.loads(cfg.reward_options)
     reward_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {})) for name in weights}
+    monitor_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {}))
+                   for name in (rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {})}
     model = load_pipeline(cfg, family, device, dtype, sharded=world > 1)
     check_sampling_grid(model)
     transformer = model.transformer
+    # The reference KL's base model under full fine-tuning: a frozen copy, taken before training casts the weights.
+    frozen_base = copy.deepcopy(transformer) if cfg.ref_kl_coef > 0 and not cfg.lora_rank else None
     make_trainable(transformer, cfg)
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
     replicas = hsdp_replicas(cfg.hsdp, world)
     if world > 1:
-        apply_fsdp(transformer, device, dtype, replicas=replicas)  # moves each block's shard to the device
-    trainable = [p for p in transformer.parameters() if p.requires_grad]  # after FSDP2 swapped in sharded ones
+        for module in filter(None, (transformer, frozen_base)):
+            apply_fsdp(module, device, dtype, replicas=replicas)  # moves each block's shard to the device
+    named = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]  # after FSDP2 swapped in shards
+    trainable = [p for _, p in named]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ema = {n: p.detach().clone() for n, p in named} if cfg.ema_decay else {}  # float32, sharded like the weights
     torch.manual_seed(cfg.seed + rank)
-    start = runs.load_checkpoint(run_dir, transformer, optimizer, rank) if cfg.resume else 0
+    start = runs.load_checkpoint(run_dir, transformer, optimizer, rank, ema=ema) if cfg.resume else 0
     print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}"
            + (f" (HSDP: {replicas} replicas x {world // replicas} shards)" if replicas > 1 else "") + ", "
            f"{dtype}, run dir {run_dir}" + (f", resuming at iteration {start}" if start else ""))
@@ -653,11 +686,19 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     P_local = P // world
     groups = range(rank * P_local, (rank + 1) * P_local)  # this rank's groups, in global numbering
     rollout_velocity = guided_velocity(cfg, model, device)
-    # One surrogate function for theta_old and theta: same parameterisation, same weighting.
-    surrogate = partial(vgrpo.elbo_surrogate, model.velocity, param=cfg.param, self_normalize=cfg.self_normalize,
-                        chunk_size=cfg.micro_batch_size * K)
+    # One surrogate function for theta_old and theta: same parameterisation, same weighting. The base model's for
+    # the reference KL is the same function of the frozen base's velocity.
+    surrogate_of = partial(partial, vgrpo.elbo_surrogate, param=cfg.param, self_normalize=cfg.self_normalize,
+                           chunk_size=cfg.micro_batch_size * K)
+    surrogate = surrogate_of(model.velocity)
+    base_velocity = frozen_base_velocity(model, frozen_base, lora=cfg.lora_rank > 0)
+    reference = surrogate_of(base_velocity) if base_velocity else None
     nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
     nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
+    # the base model's no-grad pass: every sample when the reference KL is trained on, else one micro-batch (to log it)
+    nfe_ref = 0 if reference is None else K if cfg.ref_kl_coef > 0 else K * cfg.micro_batch_size / (P_local * G)
+    evals = [m for m in runs.read_metrics(run_dir) if "eval/reward_mean" in m and m["iteration"] < start]
+    first_x0_rms = next((m["x0_rms"] for m in runs.read_metrics(run_dir) if "x0_rms" in m), None) if start else None
     tracker = runs.Tracker(run_dir, cfg, master, start)
     stop = {"requested": False}
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
@@ -695,8 +736,10 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         # optimizer step); with one gradient step per iteration there is no separate old-policy pass.
         ro = vgrpo.Rollouts(x0, cond, local_adv, t, eps)
         update = vgrpo.vgrpo_update(surrogate, optimizer, ro, num_grad_steps=cfg.num_grad_steps,
-                                    micro_batch_size=cfg.micro_batch_size, clip_eps=cfg.clip_eps,
-                                    kl_coef=cfg.kl_coef, max_grad_norm=cfg.max_grad_norm)
+                                    micro_batch_size=cfg.micro_batch_size, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                                    max_grad_norm=cfg.max_grad_norm, reference=reference, ref_kl_coef=cfg.ref_kl_coef)
+        if ema:
+            ema_update(list(ema.values()), trainable, cfg.ema_decay)
         timer["update"] = time.perf_counter()
 
         # ---------------- 7. log
@@ -709,7 +752,9 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             "frac_zero_std_groups": (adv == 0).all(dim=1).float().mean().item(),
             **reduce_metrics(update, device),
             "surrogate_cv": cv["cv"], "surrogate_cv_within": cv["cv_within"],
-            "nfe_rollout": nfe_rollout, "nfe_old": nfe_old, "nfe_grad": K,  # per sample; nfe_grad counts forward+backward
+            "nfe_rollout": nfe_rollout, "nfe_old": nfe_old, "nfe_ref": nfe_ref, "nfe_grad": K,  # per sample; nfe_grad:
+            # forward+backward
+            "x0_rms": reduce_metrics({"r": x0.float().pow(2).flatten(1).mean(1).sqrt().mean().item()}, device)["r"],
             "time_rollout": timer["rollout"] - timer["start"], "time_reward": timer["reward"] - timer["rollout"],
             "time_update": timer["update"] - timer["reward"],
             "images_per_s": P * G / (timer["update"] - timer["start"]),
@@ -717,8 +762,11 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             "prompt_indices": chosen,
         }
         if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
-            metrics.update(evaluate(cfg, model, rollout_velocity, eval_prompts, reward_fns, weights, rank, world, device,
-                                    run_dir / "samples" / f"iter-{it:06d}.png" if master else None))
+            with ema_weights(trainable, list(ema.values())) if cfg.eval_with_ema else contextlib.nullcontext():
+                metrics.update(evaluate(cfg, model, rollout_velocity, eval_prompts, {**reward_fns, **monitor_fns},
+                                        weights, rank, world, device,
+                                        run_dir / "samples" / f"iter-{it:06d}.png" if master else None))
+            evals.append({"iteration": it, **metrics})
         tracker.log(it, metrics)
         if master and "eval/reward_mean" in metrics:
             runs.draw_curves(run_dir)
@@ -733,22 +781,28 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         skipped_run = skipped_run + int(update["skipped_steps"]) if update["skipped_steps"] == cfg.num_grad_steps else 0
         reason = divergence(x0, scores, skipped_run, transformer, cfg, device)
         if reason:
-            latest = run_dir / "checkpoints" / "latest"
-            kept = f"checkpoint {latest.read_text()} is kept" if latest.is_file() else "no checkpoint was written"
-            message = (f"error: training diverged at iteration {it}: {reason}. Nothing was saved from it; {kept}. "
-                       "Lower --lr or --max_grad_norm, or raise --num_mc, and start again")
-            if dist.is_initialized():
-                barrier()
-                dist.destroy_process_group()
-            raise SystemExit(message if master else 1)
+            stop_run(run_dir, f"training diverged at iteration {it}: {reason}", "Lower --lr or --max_grad_norm, or "
+                     "raise --num_mc, and start again", master)
+        first_x0_rms = first_x0_rms or metrics["x0_rms"]
+        hacked = runs.hacking(evals, list(monitor_fns), window=cfg.hacking_window, z=cfg.hacking_z,
+                              samples=len(eval_prompts)) if "eval/reward_mean" in metrics else ""
+        hacked = hacked or runs.x0_drift(metrics["x0_rms"], first_x0_rms, cfg.max_x0_drift)
+        if hacked and cfg.stop_on_hacking:
+            stop_run(run_dir, f"possible reward hacking at iteration {it}: {hacked}", "Inspect the sample grids; "
+                     "raise --ref_kl_coef or lower --lr, or --resume without --stop_on_hacking to go on", master)
+        elif hacked:
+            bar.write(f"warning: possible reward hacking at iteration {it}: {hacked} (--stop_on_hacking stops here)")
         stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
         if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
-            runs.save_checkpoint(run_dir, it, transformer, optimizer, rank)
+            runs.save_checkpoint(run_dir, it, transformer, optimizer, rank, ema=ema)
         if stopping:
             print0(f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {it} saved; continue with --resume {run_dir}")
             break
     else:
-        runs.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank)
+        with ema_weights(trainable, list(ema.values())) if cfg.export_ema else contextlib.nullcontext():
+            runs.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank,
+                              info={"weights": "ema" if cfg.export_ema else "trained", "ema_decay": cfg.ema_decay,
+                                    "iteration": cfg.iterations - 1})
         print0(summary_table(history))
         print0(closing_summary(run_dir, cfg, model, curves=master and runs.draw_curves(run_dir)))
     if dist.is_initialized():
@@ -771,7 +825,61 @@ def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cf
     return "; ".join(reason for i, reason in enumerate(checks) if flags[f"{i}_max"] > 0)
 
 
-STDOUT_METRICS = ("reward_mean", "reward_std", "eval/reward_mean", "ratio_mean", "clipfrac", "approx_kl", "kl",
+def stop_run(run_dir: Path, what: str, advice: str, master: bool) -> None:
+    """Stop every rank with one line from rank 0 before anything of this iteration is saved: the last checkpoint
+    stays the one --resume uses."""
+    latest = run_dir / "checkpoints" / "latest"
+    kept = f"checkpoint {latest.read_text()} is kept" if latest.is_file() else "no checkpoint was written"
+    if dist.is_initialized():
+        barrier()
+        dist.destroy_process_group()
+    raise SystemExit(f"error: {what}. Nothing was saved from it; {kept}. {advice}" if master else 1)
+
+
+def frozen_base_velocity(model: models.FlowAdapter, frozen_copy, lora: bool):
+    """The base model's velocity for the reference KL: under LoRA the trained transformer with its adapters
+    switched off for the call (exactly the base; no second copy), under full fine-tuning the frozen copy's; None
+    without one (full fine-tuning at ref_kl_coef 0: a copy only to log ref_kl would double the weights)."""
+    if lora:
+        def velocity(*args):
+            model.transformer.disable_adapters()
+            try:
+                return model.velocity(*args)
+            finally:
+                model.transformer.enable_adapters()  # also makes the LoRA weights require grad again
+        return velocity
+    if frozen_copy is None:
+        return None
+    base = copy.copy(model)
+    base.transformer = frozen_copy
+    return base.velocity
+
+
+@torch.no_grad()
+def ema_update(ema: list[torch.Tensor], params: list[torch.Tensor], decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * param, once per iteration, in float32 (the trainable weights' dtype)."""
+    for e, p in zip(ema, params):
+        e.lerp_(p.detach(), 1 - decay)
+
+
+@contextlib.contextmanager
+def ema_weights(params: list[torch.Tensor], ema: list[torch.Tensor]):
+    """The EMA weights in place of the trained ones inside the block (evaluation, export), swapped back after; one
+    tensor of temporary memory at a time."""
+    def swap():
+        with torch.no_grad():
+            for p, e in zip(params, ema):
+                kept = p.detach().clone()
+                p.copy_(e)
+                e.copy_(kept)
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+
+
+STDOUT_METRICS = ("reward_mean", "reward_std", "eval/reward_mean", "ratio_mean", "clipfrac", "approx_kl", "kl", "ref_kl",
                   "grad_norm", "surrogate_cv_within", "frac_zero_std_groups", "images_per_s", "skipped_steps")
 
 
@@ -785,11 +893,13 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
     chosen = [eval_prompts[i] for i in indices]
     cond = encode(model, [p.text for p in chosen], device, cfg.offload_text_encoders)
     x0, scores = rollout(cfg, model, velocity, chosen, cond, noise, reward_fns, progress="evaluating" if rank == 0 else "")
-    totals = {n: torch.stack([(s * real).sum(), real.sum().float()]) for n, s in scores.items()}
+    totals = {n: torch.stack([(s * real).sum(), (s.pow(2) * real).sum(), real.sum().float()]) for n, s in scores.items()}
     if dist.is_initialized():
         for v in totals.values():
             dist.all_reduce(v)
-    means = {f"eval/{n}_mean": (v[0] / v[1]).item() for n, v in totals.items()}
+    means = {f"eval/{n}_mean": (v[0] / v[2]).item() for n, v in totals.items()}
+    # the spread over samples, for the hacking rule's standard errors (population std from the two sums)
+    means.update({f"eval/{n}_std": (v[1] / v[2] - (v[0] / v[2]) ** 2).clamp_min(0).sqrt().item() for n, v in totals.items()})
     means["eval/reward_mean"] = sum(w * means[f"eval/{n}_mean"] for n, w in weights.items())
     if grid_path is not None:  # rank 0's share of the evaluation prompts
         records = [{"prompt": p.text, "seed": cfg.seed, "noise_index": i,

@@ -35,6 +35,8 @@ Choices this implementation makes where the paper leaves them open:
   the k3 estimator mean((rho - 1) - log rho).
 - The non-finite guard decides on the global gradient norm, which is identical on every rank
   (also under FSDP), so all ranks skip or step together.
+- Beyond the paper: policy_loss can add the same x-space distance to a frozen reference (base) model,
+  ref_kl_coef * D(x_theta, x_ref), a guard against reward hacking over many iterations.
 """
 
 import math
@@ -264,14 +266,21 @@ def policy_loss(
     kl_coef: float = 0.0,
     x_new: torch.Tensor | None = None,
     x_old: torch.Tensor | None = None,
+    ref_kl_coef: float = 0.0,
+    x_ref: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped GRPO loss on the surrogate ratio, plus the x-space KL (Eq. 16). Minimise it.
+    """Clipped GRPO loss on the surrogate ratio, plus the x-space KL (Eq. 16) to the behaviour policy and to the
+    reference (base) model. Minimise it.
 
     s_new, s_old (B, K) per-pair surrogates on the same pairs; advantages (B,).
     rho_i = exp(mean_K s_new - mean_K s_old)   (one whole-image ratio per sample)
+    D(a, b) = mean_i mean_{K, elements} (a - b)^2   (Eq. 16's x-space KL between two models' x-predictions)
     loss  = mean_i max(-A_i rho_i, -A_i clip(rho_i, 1 - clip_eps, 1 + clip_eps))
-            + kl_coef * mean_i mean_{K, elements} (x_new - x_old)^2
-    clip_eps None disables clipping; x_new/x_old (B, K, ...) are needed only when kl_coef > 0.
+            + kl_coef * D(x_new, x_old) + ref_kl_coef * D(x_new, x_ref)
+    D(x_new, x_old) bounds each iteration's step (it is 0 at a batch's first gradient step); D(x_new, x_ref), with
+    x_ref the frozen base model's x-predictions on the same pairs, bounds the distance from the base over the whole
+    run (a guard against reward hacking; not in the paper). clip_eps None disables clipping; x_new / x_old (B, K, ...)
+    are needed when kl_coef > 0, x_ref when ref_kl_coef > 0; given x_ref, ref_kl is logged whatever its weight.
     Returns the scalar loss and detached scalar metrics.
     """
     log_ratio = s_new.mean(dim=1) - s_old.mean(dim=1)
@@ -280,13 +289,13 @@ def policy_loss(
     if clip_eps is not None:
         pg_loss = torch.max(pg_loss, -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps))
     policy = pg_loss.mean()
-    if kl_coef > 0:
-        if x_new is None or x_old is None:
-            raise ValueError("kl_coef > 0 needs x_new and x_old (the x-predictions from elbo_surrogate)")
-        kl = (x_new - x_old).pow(2).flatten(1).mean(1).mean()
-    else:
-        kl = torch.zeros((), device=s_new.device)
-    loss = policy + kl_coef * kl
+    if (kl_coef > 0 and (x_new is None or x_old is None)) or (ref_kl_coef > 0 and (x_new is None or x_ref is None)):
+        raise ValueError("kl_coef > 0 needs x_new and x_old, ref_kl_coef > 0 needs x_new and x_ref (the x-predictions "
+                         "from elbo_surrogate)")
+    zero = torch.zeros((), device=s_new.device)
+    kl = x_space_kl(x_new, x_old) if kl_coef > 0 else zero
+    ref_kl = x_space_kl(x_new, x_ref) if x_ref is not None else zero
+    loss = policy + kl_coef * kl + ref_kl_coef * ref_kl
     with torch.no_grad():
         clipped = (ratio - 1).abs() > clip_eps if clip_eps is not None else torch.zeros_like(ratio, dtype=torch.bool)
         metrics = {
@@ -299,7 +308,15 @@ def policy_loss(
             "clipfrac": clipped.float().mean(),
             "approx_kl": ((ratio - 1) - log_ratio).mean(),
         }
+        if x_ref is not None:
+            metrics["ref_kl"] = ref_kl.detach()
     return loss, metrics
+
+
+def x_space_kl(x_a: torch.Tensor, x_b: torch.Tensor) -> torch.Tensor:
+    """D(a, b) = mean_i mean_{K, elements} (x_a - x_b)^2 for x-predictions (B, K, ...) of two models on the same pairs
+    (Eq. 16: for Gaussian policies of equal variance the KL is this squared distance, up to a constant factor)."""
+    return (x_a - x_b).pow(2).flatten(1).mean(1).mean()
 
 
 @dataclass
@@ -331,10 +348,15 @@ def vgrpo_update(
     clip_eps: float | None = None,
     kl_coef: float = 0.0,
     max_grad_norm: float | None = 1.0,
+    reference: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ref_kl_coef: float = 0.0,
 ) -> dict[str, float]:
     """Algorithm 1, steps 5 and 6: the old-policy surrogate, then num_grad_steps optimizer steps on one rollout batch.
 
-    surrogate(x0, cond, t, eps) -> (s, x_pred): one callable for theta_old and theta.
+    surrogate(x0, cond, t, eps) -> (s, x_pred): one callable for theta_old and theta. reference: the same callable
+    for the frozen base model (policy_loss's D(x_new, x_ref)); its x-predictions on a micro-batch's stored pairs are
+    computed without gradients just before that micro-batch is trained, for every sample when ref_kl_coef > 0, else
+    for the first micro-batch only (ref_kl, the drift from the base, is then logged from micro_batch_size samples).
     The B samples are split in order into num_grad_steps mini-batches; each is processed in
     micro-batches of micro_batch_size samples with gradient accumulation (the loss is the
     mini-batch mean). A step whose gradient norm is not finite is skipped (grads dropped, the
@@ -361,13 +383,20 @@ def vgrpo_update(
         _old_policy_pass(surrogate, rollouts, first=mini, micro=micro, keep_x=kl_coef > 0)
     elif kl_coef > 0 and rollouts.x_old is None:
         raise ValueError("kl_coef > 0 needs rollouts.x_old (keep the x-predictions of the old-policy pass)")
+    if ref_kl_coef > 0 and reference is None:
+        raise ValueError("ref_kl_coef > 0 needs reference, the surrogate of the frozen base model")
     params = [p for group in optimizer.param_groups for p in group["params"]]
     totals: dict[str, torch.Tensor] = {}
+    ref_kls = []
     grad_norms, skipped = [], 0
     for step in range(num_grad_steps):
         optimizer.zero_grad(set_to_none=True)
         for start in range(step * mini, (step + 1) * mini, micro):
             batch = rollouts[torch.arange(start, start + micro, device=rollouts.x0.device)]
+            x_ref = None
+            if reference is not None and (ref_kl_coef > 0 or start == 0):
+                with torch.no_grad():
+                    x_ref = reference(batch.x0, batch.cond, batch.t, batch.eps)[1]  # the base, on the same pairs
             # The stored (t, eps) of the old pass: reusing them is what makes rho a ratio.
             s_new, x_new = surrogate(batch.x0, batch.cond, batch.t, batch.eps)
             if fill_old and step == 0:  # still theta_old: the old-policy values are this forward's, detached
@@ -375,9 +404,11 @@ def vgrpo_update(
                 batch.s_old = rollouts.s_old[rows] = s_new.detach()
                 if kl_coef > 0:
                     batch.x_old = rollouts.x_old[rows] = x_new.detach()
-            loss, metrics = policy_loss(s_new, batch.s_old, batch.advantages, clip_eps=clip_eps,
-                                        kl_coef=kl_coef, x_new=x_new, x_old=batch.x_old)
+            loss, metrics = policy_loss(s_new, batch.s_old, batch.advantages, clip_eps=clip_eps, kl_coef=kl_coef,
+                                        x_new=x_new, x_old=batch.x_old, ref_kl_coef=ref_kl_coef, x_ref=x_ref)
             (loss * (micro / mini)).backward()
+            if "ref_kl" in metrics:
+                ref_kls.append(metrics.pop("ref_kl"))
             _accumulate(totals, metrics, weight=micro / B)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or math.inf)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2 DTensor
@@ -390,6 +421,7 @@ def vgrpo_update(
     finite = [g for g in grad_norms if math.isfinite(g)]
     return {
         **{k: v.item() for k, v in totals.items()},
+        **({"ref_kl": torch.stack(ref_kls).mean().item()} if ref_kls else {}),  # micro-batches of equal size
         "grad_norm": sum(finite) / len(finite) if finite else math.nan,
         "skipped_steps": float(skipped),
     }
