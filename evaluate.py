@@ -23,8 +23,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -251,10 +249,8 @@ def evaluate(argv: list[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     runs.quiet_known_noise()
-    try:
+    with runs.one_line_errors():
         evaluate(argv)
-    except ConfigError as error:
-        sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 1)
 
 
 if __name__ == "__main__":

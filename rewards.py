@@ -47,6 +47,7 @@ import math
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import unicodedata
@@ -916,16 +917,27 @@ def encode_png(image: np.ndarray) -> str:
 
 
 def decode_png(data: str) -> torch.Tensor:
-    """base64 PNG -> (3, H, W) float in [0, 1]."""
+    """base64 PNG -> (3, H, W) float in [0, 1]; ValueError for anything else (PIL reports a bad image as OSError,
+    which the server must not take for a broken connection)."""
     from PIL import Image
 
-    array = np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+    try:
+        picture = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
+        if picture.format != "PNG":
+            raise ValueError(f"a {picture.format} image")
+        array = np.asarray(picture.convert("RGB"))
+    except (OSError, ValueError, TypeError, Image.DecompressionBombError) as error:
+        raise ValueError(f"an image is not a base64 PNG ({type(error).__name__}: {str(error)[:100]})") from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
 
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 MAX_RESPONSE_BYTES = 1 << 20  # B scores are a few kB; more is not a reward server's answer
 MAX_REQUEST_BYTES = 1 << 30  # the server's limit: a rollout batch of 1024 px PNGs is ~100 MB
+
+
+class RewardServerError(RuntimeError):
+    """A reward server that is down, refuses a request or answers something that is not scores."""
 
 
 class HttpReward:
@@ -962,9 +974,9 @@ class HttpReward:
                 return payload
             detail = payload[:300].decode(errors="replace")
             if status < 500:
-                raise RuntimeError(f"reward server {self.url} rejected the request ({status}): {detail}")
+                raise RewardServerError(f"reward server {self.url} rejected the request ({status}): {detail}")
             last = f"HTTP {status}: {detail}"
-        raise ConnectionError(f"reward server {self.url} gave no answer after {self.retries} attempts (last error: "
+        raise RewardServerError(f"reward server {self.url} gave no answer after {self.retries} attempts (last error: "
                               f"{last}). Is it running? Start one with `python rewards.py serve NAME --port PORT`.")
 
     def _request(self, body: bytes) -> tuple[int, bytes]:
@@ -1014,7 +1026,7 @@ class HttpReward:
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError):  # OverflowError: an int too large
             ok = False
         if not ok:
-            raise ValueError(f"malformed response from reward server {self.url}: expected "
+            raise RewardServerError(f"malformed response from reward server {self.url}: expected "
                              f'{{"scores": [{n} numbers finite in float32]}}, got {payload[:200]!r}')
         self.extras = {k: v for k, v in answer.items() if k != "scores" and isinstance(v, list) and len(v) == n}
         return torch.tensor(values, dtype=torch.float32)
@@ -1031,6 +1043,24 @@ def http_factory(port: int, what: str) -> Callable[..., Reward]:
     factory.port = port  # `python rewards.py serve NAME` listens here by default
     factory.offline = True  # building it touches nothing: check_options may build one to check the values
     return factory
+
+
+def parse_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict] | None]:
+    """A request of the protocol: as many images (PNG, all of one size) as prompts (strings) and metadata (dicts,
+    or null); ValueError / TypeError / KeyError saying what is wrong otherwise."""
+    request = json.loads(body)
+    if not isinstance(request, dict):
+        raise TypeError("the request must be a JSON object with images, prompts and metadata")
+    images, prompts, metadata = request["images"], request["prompts"], request.get("metadata")
+    if not isinstance(images, list) or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise TypeError("images must be a list of base64 PNGs and prompts a list of strings")
+    if len(images) != len(prompts) or (metadata is not None and len(metadata) != len(prompts)):
+        raise ValueError(f"{len(images)} images, {len(prompts)} prompts and "
+                         f"{'no' if metadata is None else len(metadata)} metadata: one of each per image")
+    pixels = [decode_png(data) for data in images]
+    if len({p.shape for p in pixels}) > 1:
+        raise ValueError(f"the images differ in size ({sorted({tuple(p.shape) for p in pixels})}); send one size per request")
+    return (torch.stack(pixels) if pixels else torch.zeros(0, 3, 1, 1)), prompts, metadata
 
 
 def reward_server(reward: Reward, name: str, *, host: str = "127.0.0.1", port: int = 8000, timeout: float = 60.0,
@@ -1055,21 +1085,28 @@ def reward_server(reward: Reward, name: str, *, host: str = "127.0.0.1", port: i
                              {"error": f"Content-Length must be given and at most {max_request_bytes} bytes"})
                 return
             try:
-                request = json.loads(self.rfile.read(int(length)))
-                images = torch.stack([decode_png(data) for data in request["images"]])
-                with lock:
-                    result = reward(images, request["prompts"], request.get("metadata"))
-            except (KeyError, ValueError, TypeError) as error:  # the client's fault: say what was wrong
-                self._answer(400, {"error": f"{type(error).__name__}: {error}"})
-                return
+                body = self.rfile.read(int(length))
             except OSError:  # the client stalled past the timeout or went away: nobody to answer
                 self.close_connection = True
+                return
+            try:
+                images, prompts, metadata = parse_request(body)
+            except (KeyError, ValueError, TypeError, RecursionError) as error:  # the client's fault: say what
+                self._answer(400, {"error": f"{type(error).__name__}: {error}"})
+                return
+            try:
+                with lock:
+                    result = reward(images, prompts, metadata)
+                # A reward returns its scores; a served scorer may return {"scores": ..., other per-image lists}.
+                fields = result if isinstance(result, dict) else {"scores": result}
+                if len(fields["scores"]) != len(prompts):
+                    raise ValueError(f"the reward gave {len(fields['scores'])} scores for {len(prompts)} images")
+            except ValueError as error:  # a reward refusing its input (e.g. GenEval without metadata): the client's
+                self._answer(400, {"error": f"ValueError: {error}"})
                 return
             except Exception as error:  # the reward's fault: report it, keep serving
                 self._answer(500, {"error": f"{type(error).__name__}: {error}"})
                 return
-            # A reward returns its scores; a served scorer may return {"scores": ..., other per-image lists}.
-            fields = result if isinstance(result, dict) else {"scores": result}
             self._answer(200, {k: v.float().cpu().tolist() if isinstance(v, torch.Tensor) else list(v)
                                for k, v in fields.items()})
 
@@ -1134,12 +1171,13 @@ def load_reward(name: str, *, device: str = "cpu", **options: Any) -> Reward:
     return REWARDS[name](device=device, **options)
 
 
-def check_options(name: str, options: Any) -> None:
-    """Options for REWARDS[name] as its factory declares them: known names, each value of its default's type
-    (an int where a float is expected is fine). Factories marked offline are built once to check the values."""
+def check_options(name: str, options: Any, factory: Callable | None = None) -> None:
+    """Options for REWARDS[name] (or another factory of it) as the factory declares them: known names, each value
+    of its default's type (an int where a float is expected is fine). Factories marked offline are built once to
+    check the values."""
     if not isinstance(options, dict):
         raise ValueError(f"the options of {name!r} must be a JSON object {{option: value}}, got {options!r}")
-    factory = REWARDS[name]
+    factory = factory or REWARDS[name]
     params = {p.name: p for p in inspect.signature(factory).parameters.values() if p.name != "device"}
     for key, value in options.items():
         if key not in params:
@@ -1196,7 +1234,9 @@ def check_prompt(name: str, text: str, metadata: dict) -> None:
         PROMPT_CHECKS[name](text, metadata)
 
 
-def main() -> None:
+def serve(argv: list[str] | None = None) -> None:
+    """`python rewards.py serve NAME`: every mistake (an unknown option, a port out of range or in use, a bad timeout)
+    is one line and exit 2 before anything is loaded or bound."""
     parser = argparse.ArgumentParser(description="Serve a reward of rewards.py over HTTP (protocol: module docstring).")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_cmd = sub.add_parser("serve", help="serve one reward")
@@ -1208,29 +1248,47 @@ def main() -> None:
     serve_cmd.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     serve_cmd.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                            help="factory option, e.g. --option model=/path/to/PickScore (repeatable; JSON values)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+
+    def refuse(message: str) -> None:
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    client = REWARDS[args.name]
+    if args.name not in SERVED and hasattr(client, "port"):
+        refuse(f"{args.name} is an HTTP client here: run its own server (the protocol is in rewards.py's docstring)")
+    port = getattr(client, "port", 8000) if args.port is None else args.port
+    if not 0 <= port <= 65535 or not (math.isfinite(args.timeout) and args.timeout > 0) or args.max_request_mb < 1:
+        refuse(f"--port {port} must be 0-65535, --timeout {args.timeout} a number of seconds > 0 and "
+               f"--max_request_mb {args.max_request_mb} at least 1")
     options = {}
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep:
-            parser.error(f"--option {item!r} must look like KEY=VALUE")
+            refuse(f"--option {item!r} must look like KEY=VALUE")
         try:
             options[key] = json.loads(value)
         except ValueError:
             options[key] = value  # a bare string such as a path
-    client = REWARDS[args.name]
-    if args.name not in SERVED and hasattr(client, "port"):
-        parser.error(f"{args.name} is an HTTP client here: run its own server (the protocol is in this file's docstring)")
-    served = (SERVED.get(args.name) or client)(device=args.device, **options)
-    port = getattr(client, "port", 8000) if args.port is None else args.port
-    server = reward_server(served, args.name, host=args.host, port=port, timeout=args.timeout,
-                           max_request_bytes=args.max_request_mb << 20)
+    factory = SERVED.get(args.name) or client
+    try:
+        check_options(args.name, options, factory)
+        served = factory(device=args.device, **options)
+    except (ValueError, ImportError, OSError) as error:
+        refuse(f"serve {args.name}: {error}")
+    try:
+        server = reward_server(served, args.name, host=args.host, port=port, timeout=args.timeout,
+                               max_request_bytes=args.max_request_mb << 20)
+    except OSError as error:  # the port is taken, the host is not this machine's
+        refuse(f"cannot listen on {args.host}:{port}: {error.strerror or error}; pick another --port or --host")
     print(f"serving reward {args.name!r} on http://{args.host}:{server.server_port}", flush=True)
     try:
         server.serve_forever()
+    except KeyboardInterrupt:
+        print("stopped", flush=True)
     finally:
         server.server_close()
 
 
 if __name__ == "__main__":
-    main()
+    serve()

@@ -24,6 +24,7 @@ import pickle
 import re
 import resource
 import shutil
+import sys
 import textwrap
 from dataclasses import asdict
 from pathlib import Path
@@ -31,18 +32,52 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 import rewards
 
 
 # ----------------------------------------------------------------------------------------------
-# Errors a user can fix
+# Errors a user can fix: one line each, from one rank; the traceback only when asked for (DEBUG_VARIABLE=1)
+
+DEBUG_VARIABLE = "VGRPO_DEBUG"
 
 
-class ConfigError(ValueError):
-    """Bad input, reported as one line before any model is loaded."""
+class UserError(Exception):
+    """A problem the user can act on, reported as one line ending in what to do; exit_code says which kind."""
 
+    exit_code = 1
+
+
+class ConfigError(UserError, ValueError):
+    """Bad input (flags, files, a checkpoint that is not what it should be), found before or at loading: exit 2."""
+
+    exit_code = 2
+
+
+class RunStopped(UserError):
+    """A run that cannot go on (diverged, a reward server failed, the disk is full): exit 1, the last checkpoint kept."""
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """The top-level handler of train.py and evaluate.py: a UserError becomes `error: ...` on stderr from rank 0 only
+    (every rank finds the same, or was told by rank 0) and its exit code; Ctrl-C before the training loop takes over
+    (model loading, the tiny fit) stops quietly. With VGRPO_DEBUG=1 the traceback is shown, for reports."""
+    try:
+        yield
+    except (UserError, KeyboardInterrupt) as error:
+        if dist.is_initialized():  # every rank raised it together (or was killed): leave gloo / nccl cleanly
+            dist.destroy_process_group()
+        if os.environ.get(DEBUG_VARIABLE) == "1":
+            raise
+        if isinstance(error, KeyboardInterrupt):
+            print("stopped (Ctrl-C) before the first iteration: nothing to save", file=sys.stderr, flush=True)
+            raise SystemExit(130) from None
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(error.exit_code) from None
 
 
 # Messages the libraries print on a default run that say nothing a user of this project can act on, matched by
@@ -98,6 +133,15 @@ def reduce_metrics(metrics: dict[str, float], device: torch.device) -> dict[str,
     return out
 
 
+def first_failure(message: str) -> str:
+    """The first non-empty message of any rank, on every rank ('' if none): a failure one rank meets stops all."""
+    if not dist.is_initialized():
+        return message
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m), "")
+
+
 def broadcast_from_rank0(value: str) -> str:
     """Rank 0's value on every rank (identity in one process)."""
     if not dist.is_initialized():
@@ -126,27 +170,40 @@ def state_options():
 
 def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank: int, ema: dict | None = None) -> None:
     """model (trainable weights), optim (AdamW) and, with an EMA, ema {parameter name: float32 tensor, sharded as the
-    weights}: one DCP checkpoint, plus each rank's RNG state, state.json and the manifest."""
+    weights}: one DCP checkpoint, plus each rank's RNG state, state.json and the manifest. Written to a temporary
+    directory and renamed; `latest` moves only once the checkpoint is whole. A write that fails (a full disk) removes
+    the temporary directory and stops the run in one line, `latest` still naming the previous checkpoint."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     root = run_dir / "checkpoints"
     tmp, final = root / f".tmp-{iteration:06d}", root / f"iter-{iteration:06d}"
     add_unstepped_state(optimizer)
     model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
-    dcp.save({"model": model_state, "optim": optim_state, **({"ema": ema} if ema else {})}, checkpoint_id=str(tmp))
-    torch.save({"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               tmp / f"rng-rank{rank}.pt")
-    barrier()
-    if rank == 0:
-        (tmp / "state.json").write_text(json.dumps({"iteration": iteration}))
-        (tmp / MANIFEST).write_text(json.dumps(manifest(tmp), indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")  # the pointer moves only once the checkpoint is whole
-        for old in root.glob("iter-*"):
-            if old != final:
-                shutil.rmtree(old)
+    try:
+        dcp.save({"model": model_state, "optim": optim_state, **({"ema": ema} if ema else {})}, checkpoint_id=str(tmp))
+        torch.save({"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   tmp / f"rng-rank{rank}.pt")
+        barrier()
+        if rank == 0:
+            (tmp / "state.json").write_text(json.dumps({"iteration": iteration}))
+            (tmp / MANIFEST).write_text(json.dumps(manifest(tmp), indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            (root / "latest.tmp").write_text(final.name)
+            os.replace(root / "latest.tmp", root / "latest")  # the pointer moves only once the checkpoint is whole
+            for old in root.glob("iter-*"):
+                if old != final:
+                    shutil.rmtree(old)
+    except (OSError, CheckpointException) as error:  # DCP reports a rank's OSError as a CheckpointException
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (root / "latest.tmp").unlink()
+        latest = root / "latest"
+        kept = f"{latest} still names {latest.read_text()}" if latest.is_file() else "no checkpoint was written before"
+        cause = getattr(error, "strerror", None) or str(error).strip().splitlines()[-1][:200]
+        raise RunStopped(f"could not write checkpoint {final} ({cause}): is the disk full? {kept}; free space and "
+                         f"--resume {run_dir}") from None
     barrier()
 
 
@@ -230,36 +287,74 @@ class SafeCheckpointReader(dcp.FileSystemReader):
 
 def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int, ema: dict | None = None) -> int:
     """Restores model, optimizer, EMA (in place into `ema`'s tensors) and RNG states after checking the checkpoint
-    against its manifest; returns the iteration to continue from. Refuses a checkpoint that is not what
-    save_checkpoint wrote, in one line."""
+    against its manifest; returns the iteration to continue from. Refuses, in one line naming the file, a checkpoint
+    that is not what save_checkpoint wrote, that does not fit the model of the run's config.json, or whose weights are
+    not finite. Any world size resumes any checkpoint: DCP reshards the weights, optimizer and EMA, and a rank without
+    an RNG file of its own keeps its fresh seed (the algorithm draws nothing from the global RNG: every draw is a pure
+    function of the seed, the iteration and an index)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     root = run_dir / "checkpoints"
     name = (root / "latest").read_text().strip()
     path = root / name
+
+    def refused(problem: str) -> ConfigError:
+        return ConfigError(f"--resume {run_dir}: refusing the checkpoint: {problem}; a run keeps only its latest "
+                           "checkpoint: restore the run directory from a copy or start a new run")
+
     problem = "" if re.fullmatch(r"iter-\d{6}", name) else f"{root / 'latest'} names {name!r}, not an iter-NNNNNN checkpoint"
     problem = broadcast_from_rank0(problem or (checkpoint_problem(path) if rank == 0 else ""))
     if problem:
-        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {problem}")
+        raise refused(problem)
     model_state, optim_state = get_state_dict(transformer, optimizer, options=state_options())
     state = {"model": model_state, "optim": optim_state, **({"ema": ema} if ema else {})}
     reader = SafeCheckpointReader(path)
+    try:  # here, so a refusal is one line (inside dcp.load it becomes a CheckpointException)
+        short = [f"{info.relative_path} ({(path / info.relative_path).stat().st_size} bytes, its metadata needs "
+                 f"{info.offset + info.length})" for info in reader.read_metadata().storage_data.values()
+                 if (path / info.relative_path).stat().st_size < info.offset + info.length]
+    except (pickle.UnpicklingError, OSError, AttributeError, EOFError) as error:
+        raise refused(f"{path / '.metadata'}: {error}") from None
+    if short:
+        raise refused(f"{short[0]} is truncated")
     try:
-        reader.read_metadata()  # here, so a refusal is one line (inside dcp.load it becomes a CheckpointException)
-    except pickle.UnpicklingError as error:
-        raise ConfigError(f"--resume {run_dir}: refusing the checkpoint: {error}") from None
-    dcp.load(state, storage_reader=reader)
-    keys = set_state_dict(transformer, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                          options=state_options())
-    frozen = {name for name, p in transformer.named_parameters() if not p.requires_grad}
+        dcp.load(state, storage_reader=reader)
+        keys = set_state_dict(transformer, optimizer, model_state_dict=state["model"],
+                              optim_state_dict=state["optim"], options=state_options())
+    except (Exception, CheckpointException) as error:  # DCP's (a BaseException) wraps each rank's: a missing key, a
+        # size mismatch, a bad shard; its last line is the cause
+        reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--resume {run_dir}: checkpoint {path} does not fit the model and adapter of its config.json "
+                          f"(model, lora_rank, lora_targets, ema_decay), or a shard is damaged ({reason}); restore "
+                          "config.json as the run wrote it, or start a new run") from None
+    frozen = {n for n, p in transformer.named_parameters() if not p.requires_grad}
     if keys.unexpected_keys or set(keys.missing_keys) - frozen:
         raise ConfigError(f"checkpoint {path} does not match the model: missing trainable "
                           f"{sorted(set(keys.missing_keys) - frozen)[:5]}, unexpected {keys.unexpected_keys[:5]}")
-    rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
-    torch.set_rng_state(rng["cpu"])
-    if rng["cuda"]:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return json.loads((path / "state.json").read_text())["iteration"] + 1
+    tensors = {f"weight {n}": p for n, p in transformer.named_parameters() if p.requires_grad}
+    tensors |= {f"EMA {n}": e for n, e in (ema or {}).items()}
+    tensors |= {f"AdamW {k}": v for s in optimizer.state.values() for k, v in s.items() if isinstance(v, torch.Tensor)}
+    bad = [n for n, v in tensors.items() if not torch.isfinite(v.to_local() if hasattr(v, "to_local") else v).all()]
+    if reduce_metrics({"bad_max": float(bool(bad))}, _device_of(transformer))["bad_max"]:  # every rank agrees
+        raise refused(f"it holds values that are not finite ({bad[0] if bad else 'on another rank'})")
+    rng_file = path / f"rng-rank{rank}.pt"
+    if rng_file.is_file():
+        try:
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if rng["cuda"]:
+                torch.cuda.set_rng_state_all(rng["cuda"])
+        except Exception as error:  # a torn file: torch's reader raises RuntimeError, pickle's UnpicklingError, ...
+            raise refused(f"{rng_file} cannot be read ({type(error).__name__})") from None
+    try:
+        return int(json.loads((path / "state.json").read_text())["iteration"]) + 1
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise refused(f"{path / 'state.json'} cannot be read ({type(error).__name__})") from None
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    parameter = next(module.parameters())
+    return parameter.device if parameter.device.type != "meta" else torch.device("cpu")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ import math
 import os
 import re
 import signal
-import sys
 import time
 import types
 import typing
@@ -244,7 +243,23 @@ def read_run_config(path: Path) -> dict:
     if not isinstance(saved, dict) or not set(saved) <= names:
         unknown = sorted(set(saved) - names) if isinstance(saved, dict) else saved
         raise ConfigError(f"{path} is not a train.py config (unknown entries {unknown}); restore it or start a new run")
+    hints = typing.get_type_hints(Config)
+    for name, value in saved.items():
+        if not of_type(value, hints[name]):
+            raise ConfigError(f"{path}: {name} is {value!r}, not a {getattr(hints[name], '__name__', hints[name])}; "
+                              "restore it or start a new run")
     return saved
+
+
+def of_type(value, kind) -> bool:
+    """A JSON value as a Config field of type kind holds it (an int where a float goes; a bool is not a number)."""
+    if isinstance(kind, types.UnionType):
+        return any(of_type(value, k) for k in kind.__args__)
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind) and (kind is bool) == isinstance(value, bool)
 
 
 def _at_least(low: float):
@@ -286,6 +301,33 @@ def validate_numbers(cfg: Config) -> None:
     if cfg.lr * cfg.weight_decay >= 1:
         raise ConfigError(f"--lr {cfg.lr} x --weight_decay {cfg.weight_decay} must be < 1 (AdamW multiplies the "
                           "weights by 1 - lr * weight_decay each step)")
+
+
+def check_run_dir(path: str) -> None:
+    """The run directory can be made and written, checked with a probe file before anything is loaded (a read-only
+    file system or a path under /proc failed only at the first save, after the model was built)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"--run_dir {path}: cannot write there ({error.strerror or error}); pass a writable "
+                          "directory") from None
+
+
+def check_sizes(cfg: Config, world_size: int, memory_gb: float) -> None:
+    """Refuse, before loading, sizes no machine of memory_gb holds: a lower bound of one rank's iteration from the
+    sizes alone, float32 final latents and K noises of its samples (at least 4 channels at 1/8 of the resolution)
+    plus one rollout batch of decoded images. (Before: --resolution 1048576 tried to allocate 4 TB after the model was
+    built; --group_size 1000000000 ran on silently.) The memory plan (--plan) is the precise check on GPUs."""
+    samples = cfg.num_prompts // world_size * cfg.group_size
+    latent = 4 * 4 * (cfg.resolution // 8) ** 2
+    needed = (samples * (cfg.num_mc + 1) * latent + min(cfg.rollout_batch_size, samples) * 4 * 3 * cfg.resolution ** 2)
+    if needed > memory_gb * models.GiB:
+        raise ConfigError(f"--resolution {cfg.resolution}, {samples} samples per rank and --num_mc {cfg.num_mc} need at "
+                          f"least {needed / models.GiB:.3g} GiB per rank (latents, noises and one rollout batch of "
+                          f"images), more than the {memory_gb:.3g} GiB here; lower them")
 
 
 def validate(cfg: Config, world_size: int) -> str:
@@ -607,8 +649,9 @@ def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prom
             reward_fns: dict, progress: str = ""):
     """Sample, decode and score B samples (prompts[i] with conditioning row i) in chunks of
     rollout_batch_size; images are dropped after scoring. Returns final latents (B, ...) and rewards
-    {name: (B,)}. progress: a bar's title (shown on a terminal), or none."""
-    x0, scores = [], {name: [] for name in reward_fns}
+    {name: (B,)}. progress: a bar's title (shown on a terminal), or none. A reward server that fails stops the run
+    on every rank, after the sampling the other ranks' sharded forwards need."""
+    x0, scores, failure = [], {name: [] for name in reward_fns}, ""
     chunks = range(0, len(prompts), cfg.rollout_batch_size)
     for start in tqdm(chunks, desc=progress, disable=None if progress else True, leave=False, dynamic_ncols=True):
         rows = slice(start, start + cfg.rollout_batch_size)
@@ -617,8 +660,17 @@ def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prom
                                  solver=cfg.solver)
         images = model.decode(x)
         for name, fn in reward_fns.items():
-            scores[name].append(fn(images, [p.text for p in prompts[rows]], [p.metadata for p in prompts[rows]]).float())
+            try:
+                scored = fn(images, [p.text for p in prompts[rows]], [p.metadata for p in prompts[rows]]).float()
+            except rewards.RewardServerError as error:
+                failure = failure or f"reward {name}: {error}"
+                scored = torch.full((x.shape[0],), math.nan, device=x.device)
+            scores[name].append(scored)
         x0.append(x)
+    failure = runs.first_failure(failure)
+    if failure:
+        raise runs.RunStopped(f"{failure}. Nothing of this iteration was saved; the last checkpoint is kept: --resume "
+                              "once the reward answers")
     return torch.cat(x0), {k: torch.cat(v) for k, v in scores.items()}
 
 
@@ -778,18 +830,18 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
 
         # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM / SIGINT asked to stop. A
         # diverged run writes nothing more: the last good checkpoint stays the one --resume uses.
-        skipped_run = skipped_run + int(update["skipped_steps"]) if update["skipped_steps"] == cfg.num_grad_steps else 0
+        skipped_run = consecutive_skips(skipped_run, int(update["skipped_steps"]), cfg.num_grad_steps)
         reason = divergence(x0, scores, skipped_run, transformer, cfg, device)
         if reason:
             stop_run(run_dir, f"training diverged at iteration {it}: {reason}", "Lower --lr or --max_grad_norm, or "
-                     "raise --num_mc, and start again", master)
+                     "raise --num_mc, and start again")
         first_x0_rms = first_x0_rms or metrics["x0_rms"]
         hacked = runs.hacking(evals, list(monitor_fns), window=cfg.hacking_window, z=cfg.hacking_z,
                               samples=len(eval_prompts)) if "eval/reward_mean" in metrics else ""
         hacked = hacked or runs.x0_drift(metrics["x0_rms"], first_x0_rms, cfg.max_x0_drift)
         if hacked and cfg.stop_on_hacking:
             stop_run(run_dir, f"possible reward hacking at iteration {it}: {hacked}", "Inspect the sample grids; "
-                     "raise --ref_kl_coef or lower --lr, or --resume without --stop_on_hacking to go on", master)
+                     "raise --ref_kl_coef or lower --lr, or --resume without --stop_on_hacking to go on")
         elif hacked:
             bar.write(f"warning: possible reward hacking at iteration {it}: {hacked} (--stop_on_hacking stops here)")
         stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
@@ -810,6 +862,12 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         dist.destroy_process_group()
 
 
+def consecutive_skips(run: int, skipped: int, num_grad_steps: int) -> int:
+    """Gradient steps skipped in a row, counted over iterations: an iteration that skipped all its steps adds them,
+    one that took any step ends the run of skips (scattered skips are rounding, not divergence)."""
+    return run + skipped if skipped == num_grad_steps else 0
+
+
 def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cfg: Config, device) -> str:
     """Why the run must stop, '' if it need not: non-finite rollouts, rewards or trainable weights on any rank, or
     max_skipped_steps consecutive skipped gradient steps. Every rank gets the same answer."""
@@ -825,7 +883,7 @@ def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cf
     return "; ".join(reason for i, reason in enumerate(checks) if flags[f"{i}_max"] > 0)
 
 
-def stop_run(run_dir: Path, what: str, advice: str, master: bool) -> None:
+def stop_run(run_dir: Path, what: str, advice: str) -> None:
     """Stop every rank with one line from rank 0 before anything of this iteration is saved: the last checkpoint
     stays the one --resume uses."""
     latest = run_dir / "checkpoints" / "latest"
@@ -833,7 +891,7 @@ def stop_run(run_dir: Path, what: str, advice: str, master: bool) -> None:
     if dist.is_initialized():
         barrier()
         dist.destroy_process_group()
-    raise SystemExit(f"error: {what}. Nothing was saved from it; {kept}. {advice}" if master else 1)
+    raise runs.RunStopped(f"{what}. Nothing was saved from it; {kept}. {advice}")
 
 
 def frozen_base_velocity(model: models.FlowAdapter, frozen_copy, lora: bool):
@@ -936,6 +994,13 @@ def summary_table(history: list[tuple[int, float, float | None]]) -> str:
     return "\n".join(lines)
 
 
+def machine_memory_gb() -> float:
+    """What one rank computes in: its GPU's memory, else the machine's RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory / models.GiB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / models.GiB
+
+
 def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
     """The training prompts and the eval_samples evaluation prompts (position i gets fixed noise i): --prompts (a file
     or a named set's train split; tiny models have built-ins) and --eval_prompts, by default the named set's test
@@ -958,18 +1023,20 @@ def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
 
 def main(argv: list[str] | None = None) -> None:
     runs.quiet_known_noise()
-    try:
+    with runs.one_line_errors():
         cfg = parse_config(argv)
         if cfg.plan:
             world, gpu_gb = models.plan_world_and_memory(cfg)
             plan, advice = models.plan_memory(cfg, validate(cfg, world), world, gpu_gb, partial(make_trainable, cfg=cfg))
             print(plan.table())
-            sys.exit(0 if plan.fits() else f"error: does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
+            if not plan.fits():
+                raise runs.RunStopped(f"does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
+            return
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)), machine_memory_gb())
+        check_run_dir(cfg.run_dir or "runs")
         prompts, eval_prompts = training_prompts(cfg)
         train(cfg, family, prompts, eval_prompts)
-    except ConfigError as error:  # one line, from rank 0 only under torchrun (every rank finds the same)
-        sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 1)
 
 
 if __name__ == "__main__":
