@@ -1,7 +1,7 @@
 """bench.py: the V-GRPO paper's claims in miniature, measured on this machine.
 
     python bench.py                      # sections 1-4 on CPU (about 3.5 minutes on 2 cores); 5 too if CUDA is present
-    python bench.py --sections 2,3       # a subset
+    python bench.py --sections 2,3       # a subset (8, 9, 10: the stability and reward-hacking sections, 6-25 min each)
     python bench.py --out results        # where results.md, results.json and the PNG plots go (default)
 
 1. Surrogate statistics: coefficient of variation (CV) of the surrogate, overall and within groups, for the
@@ -1000,7 +1000,7 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
                     "--rewards", "color:1", "--num_prompts", "1", "--group_size", "2", "--micro_batch_size", "1",
                     "--rollout_batch_size", "2", "--iterations", "1", "--eval_every", "0", *small_run]
             cfg = train.parse_config(args)
-            model = train.load_pipeline(cfg, train.model_family(cfg.model), device, dtype)
+            model = train.load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
             g = torch.Generator().manual_seed(0)
             noise = torch.randn(1, *model.latent_shape(), generator=g).to(device)
             ours = vgrpo.sample_ode(train.guided_velocity(cfg, model, device), noise, encode_on(model, ["a red car on a street"], device),
@@ -1010,7 +1010,7 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
             rollout_diff = ((ours - theirs).norm() / theirs.norm()).item()
             subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args], check=True)
             measured = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["peak_memory_gb"]
-            planned = (models.plan_memory(cfg, train.model_family(cfg.model), 1, torch.cuda.get_device_properties(device)
+            planned = (models.plan_memory(cfg, models.model_family(cfg.model), 1, torch.cuda.get_device_properties(device)
                                           .total_memory / models.GiB, partial(train.make_trainable, cfg=cfg))[0].peak
                        if device.type == "cuda" else float("nan"))
             latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()

@@ -18,6 +18,8 @@ import copy
 import dataclasses
 import json
 import os
+import re
+from pathlib import Path
 from dataclasses import dataclass
 from functools import partial
 
@@ -1216,3 +1218,92 @@ def check_memory_plan(cfg, family: str, world: int, gpu_gb: float | None, rank: 
     problem = runs.broadcast_from_rank0(problem)
     if problem:
         raise runs.ConfigError(problem)
+
+
+# ----------------------------------------------------------------------------------------------
+# Which family a --model is, and the checks a loaded model gets before training
+
+
+def step_distilled(model: str) -> bool:
+    """A FLUX.2 [klein] checkpoint distilled to few steps (its pipeline config says is_distilled): its pipeline
+    applies no CFG."""
+    if model in TINY_MODELS or model in HUB_IDS:  # known offline
+        return model in DISTILLED_HUB_IDS
+    return bool(model_index(model).get("is_distilled"))
+
+
+def model_family(model: str) -> str:
+    if model in TINY_MODELS:
+        return TINY_MODELS[model]
+    if model in HUB_IDS:  # the presets' checkpoints: known offline
+        return REAL_CONFIGS[HUB_IDS[model]]["family"]
+    class_name = model_index(model)["_class_name"]
+    if class_name not in PIPELINE_FAMILIES:
+        raise runs.ConfigError(f"--model {model}: {class_name} is not supported; use {' or '.join(PIPELINE_FAMILIES)}")
+    return PIPELINE_FAMILIES[class_name]
+
+
+def model_index(model: str) -> dict:
+    """The pipeline's model_index.json, from a directory or the hub (diffusers caches it)."""
+    if os.path.isdir(model):
+        where = Path(model) / "model_index.json"
+        if not where.is_file():
+            raise runs.ConfigError(f"--model {model}: no model_index.json there; pass a diffusers pipeline directory")
+        try:
+            index = json.loads(where.read_text())
+        except ValueError:
+            index = None
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        from diffusers import DiffusionPipeline
+
+        where = f"{model}'s model_index.json"
+        try:
+            index = DiffusionPipeline.load_config(model)
+        except Exception as error:
+            raise runs.ConfigError(f"--model {model}: cannot read its model_index.json from the hub ({type(error).__name__})") from None
+    else:
+        raise runs.ConfigError(f"--model {model!r} is neither a directory, a hub id (org/name) nor one of {', '.join(TINY_MODELS)}")
+    if not isinstance(index, dict) or "_class_name" not in index:
+        raise runs.ConfigError(f"--model {model}: {where} is not a diffusers model_index.json (no '_class_name' in a JSON "
+                          "object); re-save the pipeline with save_pretrained")
+    return index
+
+
+def check_sampling_grid(model: FlowAdapter) -> None:
+    """A scheduler configuration whose sigma grid is not finite (shift 0, say) would make every rollout NaN, which
+    would read as a diverged run."""
+    grid = model.timesteps()
+    if not torch.isfinite(grid).all():
+        raise runs.ConfigError(f"{model.pipeline_class}'s scheduler gives a sigma grid that is not finite for --sampling_steps "
+                          f"{model.sampling_steps} at --resolution {model.resolution}: {grid.tolist()}; check the "
+                          "model's scheduler/scheduler_config.json (shift, shift_terminal) or use more steps")
+
+
+def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
+    """Each target must name some Linear layer (peft matches a suffix of the module path); peft itself drops a
+    target that matches nothing silently, as long as another one matches."""
+    linear = [name for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in linear)]
+    if missing:
+        short = sorted({".".join(n.split(".")[-2 if n.split(".")[-1].isdigit() else -1:]) for n in linear})
+        raise runs.ConfigError(f"--lora_targets: {', '.join(missing)} match no Linear layer of the "
+                          f"{type(transformer).__name__}; its Linear layers end in {', '.join(short)}")
+
+
+def frozen_base_velocity(model: FlowAdapter, frozen_copy, lora: bool):
+    """The base model's velocity for the reference KL: under LoRA the trained transformer with its adapters
+    switched off for the call (exactly the base; no second copy), under full fine-tuning the frozen copy's; None
+    without one (full fine-tuning at ref_kl_coef 0: a copy only to log ref_kl would double the weights)."""
+    if lora:
+        def velocity(*args):
+            model.transformer.disable_adapters()
+            try:
+                return model.velocity(*args)
+            finally:
+                model.transformer.enable_adapters()  # also makes the LoRA weights require grad again
+        return velocity
+    if frozen_copy is None:
+        return None
+    base = copy.copy(model)
+    base.transformer = frozen_copy
+    return base.velocity

@@ -16,6 +16,7 @@ The process helpers below are the identity in one process and collectives under 
 """
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -26,6 +27,8 @@ import resource
 import shutil
 import sys
 import textwrap
+import types
+import typing
 from dataclasses import asdict
 from pathlib import Path
 
@@ -108,6 +111,71 @@ def quiet_known_noise() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# Checks before a run starts, and what it says at its end
+
+GiB = 2**30
+
+
+def check_run_dir(path: str) -> None:
+    """The run directory can be made and written, checked with a probe file before anything is loaded (a read-only
+    file system or a path under /proc failed only at the first save, after the model was built)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"--run_dir {path}: cannot write there ({error.strerror or error}); pass a writable "
+                          "directory") from None
+
+
+def check_sizes(cfg, world_size: int, memory_gb: float) -> None:
+    """Refuse, before loading, sizes no machine of memory_gb holds: a lower bound of one rank's iteration from the
+    sizes alone, float32 final latents and K noises of its samples (at least 4 channels at 1/8 of the resolution)
+    plus one rollout batch of decoded images. (Before: --resolution 1048576 tried to allocate 4 TB after the model was
+    built; --group_size 1000000000 ran on silently.) The memory plan (--plan) is the precise check on GPUs."""
+    samples = cfg.num_prompts // world_size * cfg.group_size
+    latent = 4 * 4 * (cfg.resolution // 8) ** 2
+    needed = (samples * (cfg.num_mc + 1) * latent + min(cfg.rollout_batch_size, samples) * 4 * 3 * cfg.resolution ** 2)
+    if needed > memory_gb * GiB:
+        raise ConfigError(f"--resolution {cfg.resolution}, {samples} samples per rank and --num_mc {cfg.num_mc} need at "
+                          f"least {needed / GiB:.3g} GiB per rank (latents, noises and one rollout batch of "
+                          f"images), more than the {memory_gb:.3g} GiB here; lower them")
+
+
+def machine_memory_gb() -> float:
+    """What one rank computes in: its GPU's memory, else the machine's RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory / GiB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+
+
+def closing_summary(run_dir: Path, cfg, model, curves: bool) -> str:
+    """The files a user opens next, and how the export loads."""
+    grids = sorted((run_dir / "samples").glob("iter-*.png"))
+    if cfg.lora_rank:
+        load = f'{model.pipeline_class}.from_pretrained(BASE).load_lora_weights("{run_dir}/final")'
+    else:
+        load = f'{type(model.transformer).__name__}.from_pretrained("{run_dir}/final/transformer")'
+    lines = [f"done: {run_dir}",
+             f"  samples  {grids[0]} (before) .. {grids[-1]} (after); prompts and rewards in the .json beside each"
+             if grids else "  samples  none (--eval_every 0)",
+             f"  curves   {run_dir / 'curves.png'}" if curves else "  curves   pip install matplotlib to draw curves.png",
+             f"  metrics  {run_dir / 'metrics.jsonl'}",
+             f"  export   {run_dir / 'final'}: {load}",
+             f"  compare  python evaluate.py --runs {run_dir}"]
+    return "\n".join(lines)
+
+
+def summary_table(history: list[tuple[int, float, float | None]]) -> str:
+    every = max(1, len(history) // 10)
+    rows = [h for i, h in enumerate(history) if i % every == 0 or i == len(history) - 1]
+    lines = ["iteration | reward_mean | eval reward_mean", "--------- | ----------- | ----------------"]
+    lines += [f"{it:9d} | {r:11.4f} | " + ("" if e is None else f"{e:16.4f}") for it, r, e in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # Processes: rank 0 decides, every rank agrees
 
 
@@ -154,6 +222,39 @@ def broadcast_from_rank0(value: str) -> str:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+# ----------------------------------------------------------------------------------------------
+# config.json
+
+
+def read_run_config(path: Path, config_class) -> dict:
+    """A run's config.json, refused in one line if it is not the one train.py wrote (truncated, hand-edited)."""
+    try:
+        saved = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}); restore it or start a new run") from None
+    names = {f.name for f in dataclasses.fields(config_class)}
+    if not isinstance(saved, dict) or not set(saved) <= names:
+        unknown = sorted(set(saved) - names) if isinstance(saved, dict) else saved
+        raise ConfigError(f"{path} is not a train.py config (unknown entries {unknown}); restore it or start a new run")
+    hints = typing.get_type_hints(config_class)
+    for name, value in saved.items():
+        if not of_type(value, hints[name]):
+            raise ConfigError(f"{path}: {name} is {value!r}, not a {getattr(hints[name], '__name__', hints[name])}; "
+                              "restore it or start a new run")
+    return saved
+
+
+def of_type(value, kind) -> bool:
+    """A JSON value as a Config field of type kind holds it (an int where a float goes; a bool is not a number)."""
+    if isinstance(kind, types.UnionType):
+        return any(of_type(value, k) for k in kind.__args__)
+    if kind is type(None):
+        return value is None
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind) and (kind is bool) == isinstance(value, bool)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1058,8 +1058,26 @@ def test_http_reward_gives_a_clear_error_after_bounded_retries_when_the_server_i
     assert 0.05 + 0.1 <= time.perf_counter() - start < 10  # two backoff waits, then it gives up
 
 
+@pytest.mark.parametrize("status", [302, 307, 400, 404])
+def test_http_reward_stops_on_a_redirect_or_a_refusal_without_following_it(status):
+    def send(handler):
+        body = b'{"error": "nope"}'
+        handler.send_response(status)
+        handler.send_header("Location", "http://127.0.0.1:1/elsewhere")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        handler.wfile.write(body)
+    url, server = one_shot_server(send)
+    try:
+        with pytest.raises(rewards.RewardServerError, match=f"rejected the request \\({status}\\)"):
+            rewards.HttpReward(url, retries=1)(smooth_images(1, 8, 8), ["a red car"])
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.parametrize("body", [b"not json", b'{"score": [1.0]}', b'{"scores": [1.0, 2.0]}', b'{"scores": ["x"]}',
-                                  b'{"scores": [NaN]}'])
+                                  b'{"scores": [NaN]}', b'{"scores": [true]}', b'{"scores": [null]}',
+                                  b'{"scores": [[0.5]]}', b'{"scores": {"a": 1}}', b"[" * 100_000 + b"]" * 100_000])
 def test_http_reward_rejects_a_malformed_response(body):
     class Bad(http.server.BaseHTTPRequestHandler):
         def do_POST(self):
@@ -2490,7 +2508,7 @@ def test_reference_is_the_base_model_exactly_and_its_kl_is_zero_before_the_first
             if "lora_B" in name:  # a trained adapter: not the identity
                 p.normal_(0, 0.05, generator=g)
         v_lora = model.velocity(z, t, cond)
-        base_velocity = train.frozen_base_velocity(model, None, lora=True)
+        base_velocity = models.frozen_base_velocity(model, None, lora=True)
         assert torch.equal(base_velocity(z, t, cond), v_base) and not torch.equal(v_lora, v_base)
         assert torch.equal(model.velocity(z, t, cond), v_lora)  # adapters back on
     trainable = [p for p in model.transformer.parameters() if p.requires_grad]
@@ -2500,18 +2518,18 @@ def test_reference_is_the_base_model_exactly_and_its_kl_is_zero_before_the_first
     train.make_trainable(model.transformer, cfg)
     optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad], lr=1e-2)
     surrogate = partial(vgrpo.elbo_surrogate, model.velocity)
-    reference = partial(vgrpo.elbo_surrogate, train.frozen_base_velocity(model, None, lora=True))
+    reference = partial(vgrpo.elbo_surrogate, models.frozen_base_velocity(model, None, lora=True))
     t_pairs, eps = vgrpo.draw_mc_pairs(2, 4, 2, x0.shape[1:], generator=g)
     adv = torch.randn(8, generator=g)
     first = vgrpo.vgrpo_update(surrogate, optimizer, vgrpo.Rollouts(x0, cond, adv, t_pairs, eps), micro_batch_size=4,
                                reference=reference, ref_kl_coef=0.5)
     assert first["ref_kl"] == 0.0
-    second = vgrpo.vgrpo_update(surrogate, optimizer, vgrpo.Rollouts(x0, cond, adv, t_pairs, eps), micro_batch_size=4,
-                                reference=reference)  # at weight 0: logged from the first micro-batch only
-    with torch.no_grad():
+    with torch.no_grad():  # by hand, after that step: both models' x-predictions on the first micro-batch's pairs
         x_new = surrogate(x0[:4], {k: v[:4] for k, v in cond.items()}, t_pairs[:4], eps[:4])[1]
         x_ref = reference(x0[:4], {k: v[:4] for k, v in cond.items()}, t_pairs[:4], eps[:4])[1]
     expected = ((x_new - x_ref) ** 2).flatten(1).mean(1).mean().item()
+    second = vgrpo.vgrpo_update(surrogate, optimizer, vgrpo.Rollouts(x0, cond, adv, t_pairs, eps), micro_batch_size=4,
+                                reference=reference)  # at weight 0: logged from the first micro-batch, before its step
     assert expected > 0 and second["ref_kl"] == pytest.approx(expected, rel=1e-5)
 
 

@@ -13,9 +13,13 @@ Models: SD3 / SD3.5, FLUX.1, Qwen-Image and FLUX.2 [klein] (one adapter each in 
     python evaluate.py --runs runs/NAME --prompts drawbench                     # base vs trained on a benchmark
     python train.py --help                            # every option, with its default
 
-Where things live: vgrpo.py the method; models.py the model families and the memory plan; rewards.py the rewards;
-prompts.py the prompt files and named sets; runs.py the run directory (checkpoints, export, metrics, samples) and the
-errors a user can fix; evaluate.py the evaluation command. This file: the config, Algorithm 1, and main.
+Where things live: vgrpo.py the method; models.py the model families (which one a --model is, the checks a loaded
+model gets) and the memory plan; rewards.py the rewards; prompts.py the prompt files and named sets; runs.py the run
+directory (config.json, checkpoints, export, metrics, samples, the closing summary), the errors a user can fix and the
+hacking rule; evaluate.py the evaluation command. This file: the config, Algorithm 1 and main.
+
+Beyond the paper, against reward hacking (off by default): --ref_kl_coef (the x-space KL to the frozen base model),
+--ema_decay, --monitor_rewards with the hacking rule (docs/training.md).
 
 Data parallelism: the num_prompts groups of an iteration are split over the ranks as WHOLE groups, so
 a group's G samples and its shared (t, eps) pairs live on one rank. Rewards are all-gathered before
@@ -36,7 +40,6 @@ import importlib.util
 import json
 import math
 import os
-import re
 import signal
 import time
 import types
@@ -219,7 +222,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
         saved = Path(given["resume"]) / "config.json"
         if not saved.is_file():
             raise ConfigError(f"--resume {given['resume']}: no config.json there; pass the directory of an earlier run")
-        values.update(read_run_config(saved))
+        values.update(runs.read_run_config(saved, Config))
         values["run_dir"] = given["resume"]
         for name in FIXED_ON_RESUME:
             if name in given and given[name] != values[name]:
@@ -231,35 +234,6 @@ def parse_config(argv: list[str] | None = None) -> Config:
 
 # What a checkpoint's tensors are shaped by: a resumed run keeps them.
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_alpha", "lora_targets", "ema_decay")
-
-
-def read_run_config(path: Path) -> dict:
-    """A run's config.json, refused in one line if it is not the one train.py wrote (truncated, hand-edited)."""
-    try:
-        saved = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not valid JSON ({error}); restore it or start a new run") from None
-    names = {f.name for f in fields(Config)}
-    if not isinstance(saved, dict) or not set(saved) <= names:
-        unknown = sorted(set(saved) - names) if isinstance(saved, dict) else saved
-        raise ConfigError(f"{path} is not a train.py config (unknown entries {unknown}); restore it or start a new run")
-    hints = typing.get_type_hints(Config)
-    for name, value in saved.items():
-        if not of_type(value, hints[name]):
-            raise ConfigError(f"{path}: {name} is {value!r}, not a {getattr(hints[name], '__name__', hints[name])}; "
-                              "restore it or start a new run")
-    return saved
-
-
-def of_type(value, kind) -> bool:
-    """A JSON value as a Config field of type kind holds it (an int where a float goes; a bool is not a number)."""
-    if isinstance(kind, types.UnionType):
-        return any(of_type(value, k) for k in kind.__args__)
-    if kind is type(None):
-        return value is None
-    if kind is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, kind) and (kind is bool) == isinstance(value, bool)
 
 
 def _at_least(low: float):
@@ -301,33 +275,6 @@ def validate_numbers(cfg: Config) -> None:
     if cfg.lr * cfg.weight_decay >= 1:
         raise ConfigError(f"--lr {cfg.lr} x --weight_decay {cfg.weight_decay} must be < 1 (AdamW multiplies the "
                           "weights by 1 - lr * weight_decay each step)")
-
-
-def check_run_dir(path: str) -> None:
-    """The run directory can be made and written, checked with a probe file before anything is loaded (a read-only
-    file system or a path under /proc failed only at the first save, after the model was built)."""
-    try:
-        Path(path).mkdir(parents=True, exist_ok=True)
-        probe = Path(path) / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(f"--run_dir {path}: cannot write there ({error.strerror or error}); pass a writable "
-                          "directory") from None
-
-
-def check_sizes(cfg: Config, world_size: int, memory_gb: float) -> None:
-    """Refuse, before loading, sizes no machine of memory_gb holds: a lower bound of one rank's iteration from the
-    sizes alone, float32 final latents and K noises of its samples (at least 4 channels at 1/8 of the resolution)
-    plus one rollout batch of decoded images. (Before: --resolution 1048576 tried to allocate 4 TB after the model was
-    built; --group_size 1000000000 ran on silently.) The memory plan (--plan) is the precise check on GPUs."""
-    samples = cfg.num_prompts // world_size * cfg.group_size
-    latent = 4 * 4 * (cfg.resolution // 8) ** 2
-    needed = (samples * (cfg.num_mc + 1) * latent + min(cfg.rollout_batch_size, samples) * 4 * 3 * cfg.resolution ** 2)
-    if needed > memory_gb * models.GiB:
-        raise ConfigError(f"--resolution {cfg.resolution}, {samples} samples per rank and --num_mc {cfg.num_mc} need at "
-                          f"least {needed / models.GiB:.3g} GiB per rank (latents, noises and one rollout batch of "
-                          f"images), more than the {memory_gb:.3g} GiB here; lower them")
 
 
 def validate(cfg: Config, world_size: int) -> str:
@@ -385,10 +332,10 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--run_dir {cfg.run_dir} is a file; pass a directory (it is created if missing)")
     if cfg.resume and not (Path(cfg.resume) / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there yet (checkpoints/latest is missing)")
-    family = model_family(cfg.model)
+    family = models.model_family(cfg.model)
     if family == "flux" and cfg.cfg_scale != 1.0:
         raise ConfigError("--cfg_scale does not apply to FLUX.1 (guidance-distilled); FLUX.1-dev uses --flux_guidance")
-    if family == "flux2" and cfg.cfg_scale != 1.0 and step_distilled(cfg.model):
+    if family == "flux2" and cfg.cfg_scale != 1.0 and models.step_distilled(cfg.model):
         raise ConfigError(f"--cfg_scale {cfg.cfg_scale}: {cfg.model} is step-distilled (is_distilled in its "
                           "model_index.json) and Flux2KleinPipeline applies no CFG to it; use --cfg_scale 1, or train the "
                           "base model (e.g. black-forest-labs/FLUX.2-klein-base-4B) with CFG")
@@ -401,51 +348,6 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--max_sequence_length {cfg.max_sequence_length}: {adapter.pipeline_class} accepts at most "
                           f"{adapter.text_token_limit} (pipe(...) refuses longer text too)")
     return family
-
-
-def step_distilled(model: str) -> bool:
-    """A FLUX.2 [klein] checkpoint distilled to few steps (its pipeline config says is_distilled): its pipeline
-    applies no CFG."""
-    if model in models.TINY_MODELS or model in models.HUB_IDS:  # known offline
-        return model in models.DISTILLED_HUB_IDS
-    return bool(model_index(model).get("is_distilled"))
-
-
-def model_family(model: str) -> str:
-    if model in models.TINY_MODELS:
-        return models.TINY_MODELS[model]
-    if model in models.HUB_IDS:  # the presets' checkpoints: known offline
-        return models.REAL_CONFIGS[models.HUB_IDS[model]]["family"]
-    class_name = model_index(model)["_class_name"]
-    if class_name not in models.PIPELINE_FAMILIES:
-        raise ConfigError(f"--model {model}: {class_name} is not supported; use {' or '.join(models.PIPELINE_FAMILIES)}")
-    return models.PIPELINE_FAMILIES[class_name]
-
-
-def model_index(model: str) -> dict:
-    """The pipeline's model_index.json, from a directory or the hub (diffusers caches it)."""
-    if os.path.isdir(model):
-        where = Path(model) / "model_index.json"
-        if not where.is_file():
-            raise ConfigError(f"--model {model}: no model_index.json there; pass a diffusers pipeline directory")
-        try:
-            index = json.loads(where.read_text())
-        except ValueError:
-            index = None
-    elif re.fullmatch(r"[\w.-]+/[\w.-]+", model):
-        from diffusers import DiffusionPipeline
-
-        where = f"{model}'s model_index.json"
-        try:
-            index = DiffusionPipeline.load_config(model)
-        except Exception as error:
-            raise ConfigError(f"--model {model}: cannot read its model_index.json from the hub ({type(error).__name__})") from None
-    else:
-        raise ConfigError(f"--model {model!r} is neither a directory, a hub id (org/name) nor one of {', '.join(models.TINY_MODELS)}")
-    if not isinstance(index, dict) or "_class_name" not in index:
-        raise ConfigError(f"--model {model}: {where} is not a diffusers model_index.json (no '_class_name' in a JSON "
-                          "object); re-save the pipeline with save_pretrained")
-    return index
 
 
 def prompts_for_iteration(num_available: int, num_prompts: int, seed: int, iteration: int) -> list[int]:
@@ -467,16 +369,6 @@ def generator(seed: int, *keys: int | str) -> torch.Generator:
 
 # ----------------------------------------------------------------------------------------------
 # Models: loading, trainable parameters, FSDP2 (family details live in models.py)
-
-
-def check_sampling_grid(model: models.FlowAdapter) -> None:
-    """A scheduler configuration whose sigma grid is not finite (shift 0, say) would make every rollout NaN, which
-    would read as a diverged run."""
-    grid = model.timesteps()
-    if not torch.isfinite(grid).all():
-        raise ConfigError(f"{model.pipeline_class}'s scheduler gives a sigma grid that is not finite for --sampling_steps "
-                          f"{model.sampling_steps} at --resolution {model.resolution}: {grid.tolist()}; check the "
-                          "model's scheduler/scheduler_config.json (shift, shift_terminal) or use more steps")
 
 
 def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype,
@@ -542,7 +434,7 @@ def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
     LoRA matrix never moved). Gradients and AdamW states follow the parameters' dtype; compute stays in the
     pipeline's dtype (autocast in the adapters, MixedPrecisionPolicy under FSDP2)."""
     if cfg.lora_rank:
-        check_lora_targets(transformer, cfg.lora_targets.split(","))
+        models.check_lora_targets(transformer, cfg.lora_targets.split(","))
         transformer.add_adapter(lora_config(cfg))
     else:
         transformer.requires_grad_(True)
@@ -551,23 +443,12 @@ def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
             p.data = p.data.float()
 
 
-def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None:
-    """Each target must name some Linear layer (peft matches a suffix of the module path); peft itself drops a
-    target that matches nothing silently, as long as another one matches."""
-    linear = [name for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
-    missing = [t for t in targets if not any(name == t or name.endswith("." + t) for name in linear)]
-    if missing:
-        short = sorted({".".join(n.split(".")[-2 if n.split(".")[-1].isdigit() else -1:]) for n in linear})
-        raise ConfigError(f"--lora_targets: {', '.join(missing)} match no Linear layer of the "
-                          f"{type(transformer).__name__}; its Linear layers end in {', '.join(short)}")
-
-
 def load_trained(run_dir: Path, device: torch.device, dtype: torch.dtype, settings: dict | None = None
                  ) -> models.FlowAdapter:
     """A run's model exactly as training left it, in one process: its config (with `settings` changed, e.g. the
     sampler evaluate.py uses), its base model, its last checkpoint (whatever world size wrote it)."""
     cfg = dataclasses.replace(parse_config(["--resume", str(run_dir)]), **(settings or {}))
-    model = load_pipeline(cfg, model_family(cfg.model), device, dtype)
+    model = load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
     make_trainable(model.transformer, cfg)
     optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad])
     runs.load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
@@ -713,7 +594,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     monitor_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {}))
                    for name in (rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {})}
     model = load_pipeline(cfg, family, device, dtype, sharded=world > 1)
-    check_sampling_grid(model)
+    models.check_sampling_grid(model)
     transformer = model.transformer
     # The reference KL's base model under full fine-tuning: a frozen copy, taken before training casts the weights.
     frozen_base = copy.deepcopy(transformer) if cfg.ref_kl_coef > 0 and not cfg.lora_rank else None
@@ -743,7 +624,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     surrogate_of = partial(partial, vgrpo.elbo_surrogate, param=cfg.param, self_normalize=cfg.self_normalize,
                            chunk_size=cfg.micro_batch_size * K)
     surrogate = surrogate_of(model.velocity)
-    base_velocity = frozen_base_velocity(model, frozen_base, lora=cfg.lora_rank > 0)
+    base_velocity = models.frozen_base_velocity(model, frozen_base, lora=cfg.lora_rank > 0)
     reference = surrogate_of(base_velocity) if base_velocity else None
     nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
     nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
@@ -855,8 +736,8 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             runs.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank,
                               info={"weights": "ema" if cfg.export_ema else "trained", "ema_decay": cfg.ema_decay,
                                     "iteration": cfg.iterations - 1})
-        print0(summary_table(history))
-        print0(closing_summary(run_dir, cfg, model, curves=master and runs.draw_curves(run_dir)))
+        print0(runs.summary_table(history))
+        print0(runs.closing_summary(run_dir, cfg, model, curves=master and runs.draw_curves(run_dir)))
     if dist.is_initialized():
         barrier()  # rank 0 may still be writing the export: nobody tears gloo/nccl down under it
         dist.destroy_process_group()
@@ -892,25 +773,6 @@ def stop_run(run_dir: Path, what: str, advice: str) -> None:
         barrier()
         dist.destroy_process_group()
     raise runs.RunStopped(f"{what}. Nothing was saved from it; {kept}. {advice}")
-
-
-def frozen_base_velocity(model: models.FlowAdapter, frozen_copy, lora: bool):
-    """The base model's velocity for the reference KL: under LoRA the trained transformer with its adapters
-    switched off for the call (exactly the base; no second copy), under full fine-tuning the frozen copy's; None
-    without one (full fine-tuning at ref_kl_coef 0: a copy only to log ref_kl would double the weights)."""
-    if lora:
-        def velocity(*args):
-            model.transformer.disable_adapters()
-            try:
-                return model.velocity(*args)
-            finally:
-                model.transformer.enable_adapters()  # also makes the LoRA weights require grad again
-        return velocity
-    if frozen_copy is None:
-        return None
-    base = copy.copy(model)
-    base.transformer = frozen_copy
-    return base.velocity
 
 
 @torch.no_grad()
@@ -969,38 +831,6 @@ def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, worl
     return means
 
 
-def closing_summary(run_dir: Path, cfg: Config, model: models.FlowAdapter, curves: bool) -> str:
-    """The files a user opens next, and how the export loads."""
-    grids = sorted((run_dir / "samples").glob("iter-*.png"))
-    if cfg.lora_rank:
-        load = f'{model.pipeline_class}.from_pretrained(BASE).load_lora_weights("{run_dir}/final")'
-    else:
-        load = f'{type(model.transformer).__name__}.from_pretrained("{run_dir}/final/transformer")'
-    lines = [f"done: {run_dir}",
-             f"  samples  {grids[0]} (before) .. {grids[-1]} (after); prompts and rewards in the .json beside each"
-             if grids else "  samples  none (--eval_every 0)",
-             f"  curves   {run_dir / 'curves.png'}" if curves else "  curves   pip install matplotlib to draw curves.png",
-             f"  metrics  {run_dir / 'metrics.jsonl'}",
-             f"  export   {run_dir / 'final'}: {load}",
-             f"  compare  python evaluate.py --runs {run_dir}"]
-    return "\n".join(lines)
-
-
-def summary_table(history: list[tuple[int, float, float | None]]) -> str:
-    every = max(1, len(history) // 10)
-    rows = [h for i, h in enumerate(history) if i % every == 0 or i == len(history) - 1]
-    lines = ["iteration | reward_mean | eval reward_mean", "--------- | ----------- | ----------------"]
-    lines += [f"{it:9d} | {r:11.4f} | " + ("" if e is None else f"{e:16.4f}") for it, r, e in rows]
-    return "\n".join(lines)
-
-
-def machine_memory_gb() -> float:
-    """What one rank computes in: its GPU's memory, else the machine's RAM."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory / models.GiB
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / models.GiB
-
-
 def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
     """The training prompts and the eval_samples evaluation prompts (position i gets fixed noise i): --prompts (a file
     or a named set's train split; tiny models have built-ins) and --eval_prompts, by default the named set's test
@@ -1033,8 +863,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise runs.RunStopped(f"does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
             return
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-        check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)), machine_memory_gb())
-        check_run_dir(cfg.run_dir or "runs")
+        runs.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)), runs.machine_memory_gb())
+        runs.check_run_dir(cfg.run_dir or "runs")
         prompts, eval_prompts = training_prompts(cfg)
         train(cfg, family, prompts, eval_prompts)
 
