@@ -121,7 +121,7 @@ def check_run_dir(path: str) -> None:
     file system or a path under /proc failed only at the first save, after the model was built)."""
     try:
         Path(path).mkdir(parents=True, exist_ok=True)
-        probe = Path(path) / ".write-test"
+        probe = Path(path) / f".write-test-{os.getpid()}"  # one per process: torchrun's ranks check at once
         probe.write_text("")
         probe.unlink()
     except OSError as error:
