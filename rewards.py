@@ -587,22 +587,16 @@ def ocr_accuracy(recognized: str, target: str) -> float:
     return 1 - distance / len(target)
 
 
-def ocr(*, device: str = "cpu", threads: int = 0, min_confidence: float = 0.5) -> Reward:
-    """OCR accuracy of the quoted text (ocr_accuracy) with PP-OCRv4 detection and recognition run by onnxruntime
-    (the rapidocr_onnxruntime wheel ships the ONNX models: nothing is downloaded; no torchvision, no paddle).
-    Every line read with confidence >= min_confidence is joined in reading order, as Flow-GRPO joins PaddleOCR's
-    lines (its drop score is 0.5 too); no angle classifier, as Flow-GRPO. threads: onnxruntime threads per image
-    (0: its default). (device: unused; onnxruntime runs on the CPU.) About 0.2-0.4 s per 512 px image on one core."""
-    try:
-        from rapidocr_onnxruntime import RapidOCR
-    except ImportError:
-        raise ImportError("the ocr reward needs rapidocr_onnxruntime: pip install rapidocr_onnxruntime") from None
-    engine = RapidOCR(text_score=min_confidence, **({"intra_op_num_threads": threads} if threads else {}))
-
-    def read(image: np.ndarray) -> str:
-        # The array goes in as is: PaddleOCR and RapidOCR take (H, W, 3) uint8; Flow-GRPO passes RGB too.
-        lines, _ = engine(image, use_cls=False)
-        return "".join(text for _, text, _ in lines or [])
+def ocr(*, device: str = "cpu", engine: str = "rapidocr", threads: int = 0, min_confidence: float = 0.5) -> Reward:
+    """OCR accuracy of the quoted text (ocr_accuracy) with PP-OCRv4 detection and recognition, no angle classifier, as
+    Flow-GRPO reads. engine "rapidocr" (default): the ONNX models inside the rapidocr_onnxruntime wheel, run by
+    onnxruntime on the CPU (nothing downloaded; no torchvision, no paddle; threads: onnxruntime threads per image, 0 =
+    its default; about 0.2-0.4 s per 512 px image on one core); lines read with confidence < min_confidence are
+    dropped (0.5, PaddleOCR's own drop score). engine "paddleocr": PaddleOCR 2.x itself, as Flow-GRPO builds it (on
+    the GPU when device is cuda), if paddleocr and paddlepaddle are installed. The lines are joined in reading order."""
+    if engine not in ("rapidocr", "paddleocr"):
+        raise ValueError(f"ocr engine {engine!r} is not rapidocr or paddleocr")
+    read = _rapidocr(threads, min_confidence) if engine == "rapidocr" else _paddleocr(device)
 
     def reward(images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         targets = [ocr_target(p, m) for p, m in zip(prompts, metadata or [None] * len(prompts))]
@@ -610,6 +604,36 @@ def ocr(*, device: str = "cpu", threads: int = 0, min_confidence: float = 0.5) -
         return torch.tensor(scores, dtype=torch.float32, device=images.device)
 
     return reward
+
+
+def _rapidocr(threads: int, min_confidence: float) -> Callable[[np.ndarray], str]:
+    try:
+        from rapidocr_onnxruntime import RapidOCR
+    except ImportError:
+        raise ImportError("the ocr reward needs rapidocr_onnxruntime: pip install rapidocr_onnxruntime") from None
+    engine = RapidOCR(text_score=min_confidence, **({"intra_op_num_threads": threads} if threads else {}))
+
+    def read(image: np.ndarray) -> str:
+        # The array goes in as is: RapidOCR and PaddleOCR take (H, W, 3) uint8; Flow-GRPO passes RGB too.
+        lines, _ = engine(image, use_cls=False)
+        return "".join(text for _, text, _ in lines or [])
+
+    return read
+
+
+def _paddleocr(device: str) -> Callable[[np.ndarray], str]:
+    try:
+        from paddleocr import PaddleOCR
+    except ImportError:
+        raise ImportError("ocr engine paddleocr needs pip install paddleocr paddlepaddle (or use the default engine, "
+                          "rapidocr)") from None
+    engine = PaddleOCR(use_angle_cls=False, lang="en", use_gpu=str(device).startswith("cuda"), show_log=False)
+
+    def read(image: np.ndarray) -> str:
+        result = engine.ocr(image, cls=False)  # [[[box, (text, confidence)], ...]] per image, [None] if nothing
+        return "".join(text for _, (text, confidence) in (result[0] or []) if confidence > 0)
+
+    return read
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1329,6 +1329,34 @@ def test_ocr_reward_is_zero_on_noise_and_blank_images_and_refuses_a_prompt_witho
     assert ocr_reward(images[1:2], ["no quotes here"], [{"text": "Hello"}]).item() == 0.0  # metadata["text"] wins
 
 
+def test_ocr_paddleocr_engine_reads_paddleocrs_published_output_format(monkeypatch):
+    """engine="paddleocr" builds PaddleOCR as Flow-GRPO does and joins the lines of its 2.x result format
+    ([[box, (text, confidence)], ...] per image; [None] when nothing is read). PaddleOCR itself is not installed
+    here: a stand-in with that interface checks the call and the parsing; without the package, a one-line hint."""
+    made = {}
+
+    class FakePaddleOCR:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+
+        def ocr(self, image, cls):
+            assert image.dtype == np.uint8 and image.shape[-1] == 3 and cls is False
+            if image.mean() > 127:
+                return [None]
+            return [[[[[0, 0], [9, 0], [9, 9], [0, 9]], ("HELLO", 0.93)], [[[0, 20], [9, 20], [9, 29], [0, 29]], ("wor1d", 0.71)]]]
+
+    monkeypatch.setitem(sys.modules, "paddleocr", types.SimpleNamespace(PaddleOCR=FakePaddleOCR))
+    reward = rewards.load_reward("ocr", engine="paddleocr")
+    assert made == {"use_angle_cls": False, "lang": "en", "use_gpu": False, "show_log": False}
+    scores = reward(torch.stack([torch.zeros(3, 16, 16), torch.ones(3, 16, 16)]), ['a sign "Hello World"'] * 2)
+    assert scores.tolist() == [pytest.approx(1 - 1 / 10), 0.0]  # "hellowor1d" is one substitution away
+    monkeypatch.setitem(sys.modules, "paddleocr", None)
+    with pytest.raises(ImportError, match="pip install paddleocr paddlepaddle"):
+        rewards.load_reward("ocr", engine="paddleocr")
+    with pytest.raises(ValueError, match="not rapidocr or paddleocr"):
+        rewards.load_reward("ocr", engine="tesseract")
+
+
 def brute_levenshtein(a, b):
     """Edit distance by its recursive definition."""
     @functools.lru_cache(maxsize=None)
