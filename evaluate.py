@@ -136,9 +136,7 @@ def sample_row(name: str, cfg: train.Config, family: str, listed: list, samples:
                rank: int, world: int) -> tuple[Row, torch.Tensor]:
     """This rank's samples (global sample k = prompt k // samples, noise k) of one row, scored; and the images of
     the first GRID_PROMPTS prompts' first samples when they are this rank's (rank 0 holds k = 0, world, ...)."""
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
-    model = load_row(name, cfg, family, device, dtype)
+    model = load_row(name, cfg, family, device, train.compute_dtype(cfg.dtype, device))
     mine = range(rank, len(listed) * samples, world)
     batch = [listed[k // samples] for k in mine]
     cond = train.encode(model, [p.text for p in batch], device, cfg.offload_text_encoders)
@@ -188,13 +186,14 @@ def summarise(row: Row, listed: list, samples: int) -> dict[str, dict]:
 
 
 def markdown_table(summaries: dict[str, dict]) -> str:
-    columns = list(next(iter(summaries.values())))
+    first = next(iter(summaries.values()))
+    columns = list(first)
     lines = ["| model | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
     for name, metrics in summaries.items():
         cells = [f"{m['mean']:.4f}" + (f" ± {m['ci95']:.4f}" if math.isfinite(m.get("ci95", math.nan)) else "")
                  for m in (metrics[c] for c in columns)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    tasks = {c: sorted(summaries[next(iter(summaries))][c]["tasks"]) for c in columns if "tasks" in summaries[next(iter(summaries))][c]}
+    tasks = {c: sorted(first[c]["tasks"]) for c in columns if "tasks" in first[c]}
     for column, names in tasks.items():
         lines += ["", f"{column} per task:", "", "| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
         lines += [f"| {model} | " + " | ".join(f"{m[column]['tasks'][t]:.3f}" for t in names) + " |"

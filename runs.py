@@ -411,9 +411,12 @@ def load_checkpoint(run_dir: Path, transformer, optimizer, rank: int, ema: dict 
     state = {"model": model_state, "optim": optim_state, **({"ema": ema} if ema else {})}
     reader = SafeCheckpointReader(path)
     try:  # here, so a refusal is one line (inside dcp.load it becomes a CheckpointException)
-        short = [f"{info.relative_path} ({(path / info.relative_path).stat().st_size} bytes, its metadata needs "
-                 f"{info.offset + info.length})" for info in reader.read_metadata().storage_data.values()
-                 if (path / info.relative_path).stat().st_size < info.offset + info.length]
+        needed = {}  # shard file -> the bytes its metadata reads from it
+        for info in reader.read_metadata().storage_data.values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        present = {shard: (path / shard).stat().st_size for shard in needed}
+        short = [f"{shard} ({present[shard]} bytes, its metadata needs {size})"
+                 for shard, size in needed.items() if present[shard] < size]
     except (pickle.UnpicklingError, OSError, AttributeError, EOFError) as error:
         raise refused(f"{path / '.metadata'}: {error}") from None
     if short:

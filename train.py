@@ -507,6 +507,12 @@ def hsdp_replicas(cfg_hsdp: int, world: int) -> int:
 # Processes (the collectives live in runs.py)
 
 
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """--dtype: auto is bfloat16 on GPU and float32 on CPU (bf16 matrix products are slow on most CPUs)."""
+    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+            "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
 def setup_distributed() -> tuple[int, int, torch.device]:
     """Rank, world size and device; initialises the process group under torchrun (nccl on GPU, gloo on CPU)."""
     if "RANK" not in os.environ:
@@ -571,8 +577,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     rank, world, device = setup_distributed()
     models.avoid_cudnn_attention()
     master = rank == 0
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    dtype = compute_dtype(cfg.dtype, device)
     run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -630,8 +635,10 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
     # the base model's no-grad pass: every sample when the reference KL is trained on, else one micro-batch (to log it)
     nfe_ref = 0 if reference is None else K if cfg.ref_kl_coef > 0 else K * cfg.micro_batch_size / (P_local * G)
-    evals = [m for m in runs.read_metrics(run_dir) if "eval/reward_mean" in m and m["iteration"] < start]
-    first_x0_rms = next((m["x0_rms"] for m in runs.read_metrics(run_dir) if "x0_rms" in m), None) if start else None
+    # The hacking rule's history on resume: the evaluations and the first latent RMS of the iterations already done.
+    earlier = [m for m in runs.read_metrics(run_dir) if m["iteration"] < start] if start else []
+    evals = [m for m in earlier if "eval/reward_mean" in m]
+    first_x0_rms = next((m["x0_rms"] for m in earlier if "x0_rms" in m), None)
     tracker = runs.Tracker(run_dir, cfg, master, start)
     stop = {"requested": False}
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
@@ -683,11 +690,11 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             **{f"reward/{n}_mean": s.mean().item() for n, s in global_scores.items()},
             **{f"reward/{n}_std": s.std().item() for n, s in global_scores.items()},
             "frac_zero_std_groups": (adv == 0).all(dim=1).float().mean().item(),
-            **reduce_metrics(update, device),
+            # x0_rms: the rollouts' mean latent RMS, for the hacking rule's drift bound
+            **reduce_metrics({**update, "x0_rms": x0.float().pow(2).flatten(1).mean(1).sqrt().mean().item()}, device),
             "surrogate_cv": cv["cv"], "surrogate_cv_within": cv["cv_within"],
             "nfe_rollout": nfe_rollout, "nfe_old": nfe_old, "nfe_ref": nfe_ref, "nfe_grad": K,  # per sample; nfe_grad:
             # forward+backward
-            "x0_rms": reduce_metrics({"r": x0.float().pow(2).flatten(1).mean(1).sqrt().mean().item()}, device)["r"],
             "time_rollout": timer["rollout"] - timer["start"], "time_reward": timer["reward"] - timer["rollout"],
             "time_update": timer["update"] - timer["reward"],
             "images_per_s": P * G / (timer["update"] - timer["start"]),
