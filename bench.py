@@ -9,14 +9,17 @@
    0.170 -> 0.038), on the 2-D toy flow and on the tiny SD3 transformer fitted to toy images.
 2. Ablations on the 2-D toy (vgrpo.train_toy): each trick off, K = 2 / 4 / 8, parameterisation x / v / eps,
    and the gradient-step controls (ratio clip, soft clip, KL, none). Several seeds, mean and spread.
-3. V-GRPO against the MDP approach: a Flow-GRPO-style baseline (SDE rollouts, per-step Gaussian log-probs,
-   clipped per-step ratios), written here and nowhere else, on the same toy, reward and model. Model
-   evaluations (forward and backward counted) and wall time to the same reward.
+3. V-GRPO against the MDP approach: Flow-GRPO written from its published algorithm and settings (FlowGRPO: SDE
+   rollouts, per-step Gaussian log-probs and clipped ratios, KL to the reference, two optimizer steps per batch),
+   validated against Flow-GRPO's own code on the tiny SD3 pipeline; on the same toy, reward and model, at each of
+   three learning rates. Model evaluations (forward and backward counted) and wall time to the same reward, at the
+   same learning rate and each method at its best.
 4. Overhead: one V-GRPO update against the bare forward + backward of the same model on the same
    tensors; seconds per phase and peak memory from train.py; 1 against 2 processes (torchrun, gloo).
 5. GPU (CUDA only): images/s and step time at the real transformer sizes of each preset's model (SD3.5-Medium,
-   FLUX.1-dev, Qwen-Image, FLUX.2 [klein] 4B; random weights), bf16, LoRA, activation checkpointing off and on; a
-   row that runs out of memory says so.
+   FLUX.1-dev, Qwen-Image, FLUX.2 [klein] 4B; random weights), bf16, LoRA, activation checkpointing off and on;
+   rollout images/s and model FLOP utilisation at the preset's micro-batch and rollout batch, eager and with each
+   block compiled (train.compile_blocks); a row that runs out of memory says so.
 6. Real checkpoints (CUDA and the hub; `--sections 6`): the real-model-path checks the tests make at reduced
    depth on CPU, on each preset's checkpoint itself (SD3.5-Medium, FLUX.1-dev, Qwen-Image, FLUX.2 [klein] base 4B):
    Euler rollouts with the preset's guidance against `pipe(...)` called the plain way, one preset iteration,
@@ -28,9 +31,8 @@
 8. Stability on the 2-D toy: learning rate 1e-3 .. 3e-2 against each gradient-step control (x-space KL, one gradient
    step, K, the timestep range) and the MDP baseline: divergence rate, runs reaching success, iterations and model
    evaluations to it, and how far the reward falls back after its best (`--sections 8`, 10 seeds: 6 minutes on 2 cores).
-9. Stability on the tiny SD3 pipeline of the README (`--sections 9`, about 25 minutes on 2 cores): train.py
-   (V-GRPO at its defaults, at lr 3e-4, and with 2 gradient steps + x-space KL) against Flow-GRPO written for the
-   pipeline (SDE rollouts, per-step Gaussian log-probs and clipped ratios, KL to the reference), 5 seeds, the same
+9. Stability on the tiny SD3 pipeline of the README (`--sections 9`, about 30 minutes on 2 cores): train.py's tiny
+   preset against section 3's Flow-GRPO on the pipeline, each at a small sweep of learning rates, 5 seeds, the same
    fixed evaluation: model evaluations and training time to an eval threshold, seeds reaching it, fall-back.
 10. Reward hacking on the same pipeline (`--sections 10`, 5 seeds x 5 settings): train.py trained on a reward that can
    be gamed (JPEG incompressibility) with a held-out one monitored (the colour the prompt names), without a guard,
@@ -38,8 +40,7 @@
    base, and whether the hacking rule warned.
 
 Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
-The toy settings are vgrpo.ToyConfig's defaults, chosen in section 8 for stability and speed (lr 3e-3, x-space KL 0.3);
-the MDP baseline of section 3 runs at the same learning rate.
+The toy settings are vgrpo.ToyConfig's defaults, chosen in section 8 for stability and speed (lr 3e-3, x-space KL 0.3).
 """
 
 import argparse
@@ -54,12 +55,14 @@ import sys
 import tempfile
 import time
 import types
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.flop_counter
 
 import models
 import rewards
@@ -68,6 +71,7 @@ import vgrpo
 
 SEEDS = (0, 1, 2, 3, 4)
 SUCCESS = 0.9  # a run succeeds once this fraction of its rollouts lands in the requested mode
+MDP = "Flow-GRPO (MDP)"  # the baseline of sections 3, 8 and 9
 
 
 def mean_std(values) -> str:
@@ -211,17 +215,36 @@ def section_ablations(toy_model, out: Path) -> tuple[str, dict]:
 
 
 # ----------------------------------------------------------------------------------------------
-# 3. Against the MDP approach: a Flow-GRPO-style baseline, here only
+# 3. Against the MDP approach: Flow-GRPO written from its published algorithm
+#
+# Flow-GRPO (Liu et al. 2025, arXiv 2505.05470; github.com/yifan123/flow_grpo) as its scripts/train_sd3.py runs it
+# with the defaults of config/base.py and config/grpo.py's SD3.5 tasks, written here from the algorithm (no code
+# taken) for the 2-D toy and the tiny SD3 pipeline alike. Validated against Flow-GRPO's own rollout pipeline, SDE step
+# and stat tracker on the tiny SD3 pipeline (docs/benchmarks.md, "The Flow-GRPO baseline").
+
+
+@dataclass(frozen=True)
+class FlowGRPO:
+    noise_level: float = 0.7  # sample.noise_level: the SDE's sigma_t = a sqrt(t / (1 - t))
+    clip_range: float = 1e-4  # train.clip_range: the per-step ratio clip
+    adv_clip_max: float = 5.0  # train.adv_clip_max
+    beta: float = 0.04  # train.beta: KL to the reference policy (the GenEval and OCR configs; PickScore 0.01)
+    timestep_fraction: float = 0.99  # train.timestep_fraction: the first int(0.99 T) denoising steps are trained
+    # num_batches_per_epoch rollout batches, gradient_accumulation_steps = num_batches_per_epoch // 2: two optimizer
+    # steps per epoch, each over half the (shuffled) samples and all trained steps.
+    updates_per_batch: int = 2
+    weight_decay: float = 1e-4  # train.adam_weight_decay
 
 
 def sde_mean_std(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float):
-    """Mean and std of one Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
+    """One Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
         x' = x + (v + sigma^2 / (2t) (x + (1 - t) v)) dt + sigma sqrt(-dt) z,   sigma = a sqrt(t / (1 - t)),
-    dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score. t_cap keeps sigma finite at t = 1."""
+    dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score; t_cap keeps sigma finite at t = 1 (sigma's t = 1 is
+    replaced by the grid's second point). Returns the mean of x', sigma and the step's std sigma sqrt(-dt)."""
     v = velocity(x, torch.full((x.shape[0],), t, device=x.device), cond)
     dt = t_next - t
     sigma = noise_level * math.sqrt(t / (1 - min(t, t_cap)))
-    return x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt, sigma * math.sqrt(-dt)
+    return x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt, sigma, sigma * math.sqrt(-dt)
 
 
 def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
@@ -229,47 +252,86 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.
     return (-((x - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
 
 
-def gaussian_kl(mean: torch.Tensor, ref_mean: torch.Tensor, std: float) -> torch.Tensor:
-    """Per-sample KL(N(mean, std^2 I) || N(ref_mean, std^2 I)), averaged over dimensions: Flow-GRPO's KL to the
-    reference at one step (both kernels share the step's std)."""
-    return ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * std**2)
+def flow_grpo_kl(mean: torch.Tensor, ref_mean: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Flow-GRPO's per-step KL to the reference, per sample: ||mu - mu_ref||^2 averaged over dimensions, over 2 sigma^2.
+    It divides by the SDE's sigma^2, not by the step's variance sigma^2 |dt| that the exact KL between the two
+    Gaussian kernels has (smaller by |dt|: x10 at 10 steps)."""
+    return ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * sigma**2)
 
 
-def sde_step(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float, x_next=None, generator=None):
-    """One SDE step (sde_mean_std): draws x' unless given; returns x' and its log-density (gaussian_log_prob)."""
-    mean, std = sde_mean_std(velocity, x, t, t_next, cond, noise_level=noise_level, t_cap=t_cap)
-    if x_next is None:
-        x_next = mean + std * torch.randn(x.shape, generator=generator).to(x.device)
-    return x_next, gaussian_log_prob(x_next, mean, std)
+def sample_sde(velocity, x, grid: list[float], cond, fg: FlowGRPO, generator) -> tuple[torch.Tensor, list]:
+    """An SDE rollout over the grid (noise on every step, the last included): the final sample and the path
+    [(x_t, t, t_next, x_next, log_prob)] the update replays."""
+    path = []
+    with torch.no_grad():
+        for t, t_next in zip(grid[:-1], grid[1:]):
+            mean, _, std = sde_mean_std(velocity, x, t, t_next, cond, noise_level=fg.noise_level, t_cap=grid[1])
+            x_next = mean + std * torch.randn(x.shape, generator=generator).to(x.device)
+            path.append((x, t, t_next, x_next, gaussian_log_prob(x_next, mean, std)))
+            x = x_next
+    return x, path
 
 
-def flow_grpo_toy(model, cfg: vgrpo.ToyConfig, *, noise_level: float = 0.7, clip_eps: float = 0.2) -> list[dict]:
-    """Flow-GRPO on the toy: every denoising step is an action with its own ratio; the advantage of the
-    final sample is shared by all its steps; one optimizer step per rollout batch over all steps."""
+def rows_of(cond, index: torch.Tensor):
+    return {k: v[index] for k, v in cond.items()} if isinstance(cond, dict) else cond[index]
+
+
+def flow_grpo_update(velocity, reference, path: list, cond, adv: torch.Tensor, optimizer, params: list, fg: FlowGRPO,
+                     *, t_cap: float, max_grad_norm: float, generator) -> int:
+    """Flow-GRPO's training phase on one rollout batch: samples with a zero advantage dropped (a random few kept
+    so that the rest splits evenly), the others shuffled and split into updates_per_batch optimizer steps; each step
+    averages over its samples and the first int(timestep_fraction T) denoising steps
+        max(-A r_t, -A clip(r_t, 1 -+ clip_range)) + beta KL_t,   r_t = p_theta(x_next | x_t) / p_old(x_next | x_t),
+    A clipped to +-adv_clip_max; reference(x, t, cond) is the reference policy's velocity; t_cap as sample_sde's
+    (the grid's second point). Returns how many samples
+    were trained (each costs a forward and a backward of the policy and a forward of the reference per step)."""
+    updates, trained = fg.updates_per_batch, int(len(path) * fg.timestep_fraction)
+    keep = adv != 0
+    dropped = torch.where(~keep)[0]
+    short = (updates - int(keep.sum()) % updates) % updates
+    if short and len(dropped) >= short:
+        keep[dropped[torch.randperm(len(dropped), generator=generator)[:short]]] = True
+    index = torch.where(keep)[0]
+    index = index[torch.randperm(len(index), generator=generator)]
+    adv = adv.clamp(-fg.adv_clip_max, fg.adv_clip_max)
+    for rows in index.chunk(updates):
+        for x_t, t, t_next, x_next, old in path[:trained]:
+            c = rows_of(cond, rows)
+            kernel = partial(sde_mean_std, x=x_t[rows], t=t, t_next=t_next, cond=c, noise_level=fg.noise_level,
+                             t_cap=t_cap)
+            mean, sigma, std = kernel(velocity)
+            with torch.no_grad():
+                ref_mean, _, _ = kernel(reference)
+            ratio = (gaussian_log_prob(x_next[rows], mean, std) - old[rows]).exp()
+            a = adv[rows]
+            policy = torch.max(-a * ratio, -a * ratio.clamp(1 - fg.clip_range, 1 + fg.clip_range)).mean()
+            ((policy + fg.beta * flow_grpo_kl(mean, ref_mean, sigma).mean()) / trained).backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return len(index)
+
+
+def flow_grpo_toy(model, cfg: vgrpo.ToyConfig, fg: FlowGRPO = FlowGRPO()) -> list[dict]:
+    """Flow-GRPO on the toy: cfg's prompts, group size, sampling steps, lr, seed and iterations; the reference is the
+    pretrained model (frozen); advantages per group over the batch's std (PerPromptStatTracker with global_std, each
+    group its own prompt)."""
     g = torch.Generator().manual_seed(cfg.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    ts = vgrpo.flow_timesteps(cfg.sampling_steps).tolist()
+    reference = copy.deepcopy(model).requires_grad_(False)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
+    grid = vgrpo.flow_timesteps(cfg.sampling_steps).tolist()
     P, G, T = cfg.num_prompts, cfg.group_size, cfg.sampling_steps
     history, fwd, bwd, start = [], 0, 0, time.perf_counter()
     for _ in range(cfg.iterations):
         c = torch.randint(len(vgrpo.TOY_MODES), (P,), generator=g).repeat_interleave(G)
-        x, steps = torch.randn(P * G, 2, generator=g), []
-        with torch.no_grad():
-            for t, t_next in zip(ts[:-1], ts[1:]):
-                x_next, log_prob = sde_step(model, x, t, t_next, c, noise_level=noise_level, t_cap=ts[1], generator=g)
-                steps.append((x, t, t_next, x_next, log_prob))
-                x = x_next
+        x, path = sample_sde(model, torch.randn(P * G, 2, generator=g), grid, c, fg, g)
         rewards = vgrpo.toy_reward(x, c)
-        adv = vgrpo.group_advantages(rewards.view(P, G)).flatten()
-        optimizer.zero_grad()
-        for x_t, t, t_next, x_next, old in steps:
-            _, new = sde_step(model, x_t, t, t_next, c, noise_level=noise_level, t_cap=ts[1], x_next=x_next)
-            ratio = (new - old).exp()
-            loss = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)).mean() / T
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        fwd, bwd = fwd + 2 * T * P * G, bwd + T * P * G  # rollout + training forwards; training backwards
+        adv = vgrpo.group_advantages(rewards.view(P, G), global_std=True).flatten()
+        n = flow_grpo_update(model, reference, path, c, adv, optimizer, params, fg, t_cap=grid[1], max_grad_norm=1.0,
+                             generator=g)
+        steps = int(T * fg.timestep_fraction)
+        fwd, bwd = fwd + P * G * T + 2 * n * steps, bwd + n * steps  # rollout; policy and reference forwards; backwards
         frac, dist = vgrpo.toy_mode_stats(x, c)
         history.append({"reward_mean": rewards.mean().item(), "frac_target_mode": frac, "mode_dist": dist,
                         "nfe_fwd": fwd, "nfe_bwd": bwd, "seconds": time.perf_counter() - start})
@@ -288,38 +350,73 @@ def counted_vgrpo_toy(model, cfg: vgrpo.ToyConfig) -> list[dict]:
     return history
 
 
-def section_mdp(toy_model, out: Path) -> tuple[str, dict]:
-    iterations = 100
-    cfg = partial(vgrpo.ToyConfig, iterations=iterations)
-    rows, curves, ratios = [], {}, {"NFE": [], "seconds": []}
-    for seed in SEEDS:
-        ours = counted_vgrpo_toy(copy.deepcopy(toy_model), cfg(seed=seed))
-        base = flow_grpo_toy(copy.deepcopy(toy_model), cfg(seed=seed))
-        for name, h in (("V-GRPO", ours), ("Flow-GRPO-style", base)):
-            curves.setdefault(name, []).append([x["reward_mean"] for x in h])
-            hit = first_success(h)
-            rows.append([name, seed, "-" if hit is None else hit,
-                         "-" if hit is None else round(h[hit]["nfe_fwd"] + h[hit]["nfe_bwd"]),
-                         "-" if hit is None else f"{h[hit]['seconds']:.1f}", f"{h[-1]['frac_target_mode']:.3f}",
-                         f"{h[-1]['mode_dist']:.3f}"])
-        a, b = first_success(ours), first_success(base)
-        if a is not None and b is not None:
-            ratios["NFE"].append((base[b]["nfe_fwd"] + base[b]["nfe_bwd"]) / (ours[a]["nfe_fwd"] + ours[a]["nfe_bwd"]))
-            ratios["seconds"].append(base[b]["seconds"] / ours[a]["seconds"])
-    plot(out / "mdp_baseline.png", {n: np.mean(c, 0) for n, c in curves.items()},
-         title="2-D toy: V-GRPO vs Flow-GRPO-style (mean of seeds)", ylabel="reward")
-    summary = ("Flow-GRPO-style / V-GRPO cost to success: "
-               + (f"NFE x{mean_std(ratios['NFE'])}, wall time x{mean_std(ratios['seconds'])} "
-                  f"({len(ratios['NFE'])} of {len(SEEDS)} seeds reached success with both)" if ratios["NFE"]
-                  else "not comparable (a method never reached success)"))
-    text = ("Same pretrained toy model, reward, prompts per iteration (8 x 16), 16 sampling steps and Adam 3e-3; "
-            f"up to {iterations} iterations. V-GRPO: ToyConfig defaults (ODE rollouts, K = 4, 4 gradient steps per "
-            "batch, x-space KL 0.3). Flow-GRPO-style: SDE rollouts (noise level 0.7), a clipped ratio (0.2) per "
-            "denoising step, one optimizer step per batch over all 16 steps, no KL. NFE = forward + backward model evaluations "
-            f"until the first iteration with at least {SUCCESS:.0%} of rollouts in the requested mode.\n\n"
-            + table(["method", "seed", "iterations to success", "NFE to success", "seconds to success",
-                     "final fraction in mode", "final mode distance"], rows) + "\n\n" + summary)
-    return text, {"ratios": ratios, "curves": {n: [list(map(float, c)) for c in cs] for n, cs in curves.items()}}
+def toy_cost(history: list[dict]) -> dict | None:
+    """Iterations (the one reaching it included), model evaluations and seconds to the first success."""
+    hit = first_success(history)
+    return None if hit is None else dict(iterations=hit + 1, nfe=history[hit]["nfe_fwd"] + history[hit]["nfe_bwd"],
+                                          seconds=history[hit]["seconds"])
+
+
+def best_lr(costs: dict[float, list]) -> float | None:
+    """The learning rate whose runs all reach the target, at the lowest median model evaluations."""
+    full = {lr: np.median([c["nfe"] for c in cs]) for lr, cs in costs.items() if all(c is not None for c in cs)}
+    return min(full, key=full.get) if full else None
+
+
+def cost_ratio(ours: list, theirs: list) -> str:
+    """Per seed (both reaching the target), theirs / ours in model evaluations and seconds: mean ± std."""
+    pairs = [(a, b) for a, b in zip(ours, theirs) if a is not None and b is not None]
+    if not pairs:
+        return "not comparable (no seed where both reach it)"
+    return (f"model evaluations x{mean_std([b['nfe'] / a['nfe'] for a, b in pairs])}, seconds "
+            f"x{mean_std([b['seconds'] / a['seconds'] for a, b in pairs])} ({len(pairs)} of {len(ours)} seeds)")
+
+
+def comparison(costs: dict[str, dict[float, list]], same_lr: float) -> str:
+    """The MDP baseline against V-GRPO at one learning rate and each at its own best (best_lr)."""
+    best = {name: best_lr(by_lr) for name, by_lr in costs.items()}
+    lines = [f"at the same lr {same_lr:g}: " + cost_ratio(costs["V-GRPO"][same_lr], costs[MDP][same_lr])]
+    if None in best.values():
+        lines.append("best against best: not comparable (" + ", ".join(n for n, lr in best.items() if lr is None)
+                     + " reached it at no learning rate in every seed)")
+    else:
+        lines.append(f"each at its best lr (V-GRPO {best['V-GRPO']:g}, {MDP} {best[MDP]:g}): "
+                     + cost_ratio(costs["V-GRPO"][best["V-GRPO"]], costs[MDP][best[MDP]]))
+    return "\n".join(f"- {MDP} / V-GRPO {line}" for line in lines)
+
+
+def cost_cells(cs: list) -> list[str]:
+    hit = [c for c in cs if c is not None]
+    return [f"{len(hit)} of {len(cs)}", *(f"{np.median([c[k] for c in hit]):.0f}" if hit else "-"
+                                           for k in ("iterations", "nfe", "seconds"))]
+
+
+MDP_TOY_LRS = (1e-3, 3e-3, 1e-2)
+
+
+def section_mdp(toy_model, out: Path, lrs=MDP_TOY_LRS, seeds=SEEDS, iterations: int = 100) -> tuple[str, dict]:
+    methods = {"V-GRPO": counted_vgrpo_toy, MDP: flow_grpo_toy}
+    runs = {name: {lr: [run(copy.deepcopy(toy_model), vgrpo.ToyConfig(iterations=iterations, lr=lr, seed=seed))
+                        for seed in seeds] for lr in lrs} for name, run in methods.items()}
+    costs = {name: {lr: [toy_cost(h) for h in hs] for lr, hs in by_lr.items()} for name, by_lr in runs.items()}
+    rows = [[name, f"{lr:g}", *cost_cells(costs[name][lr]),
+             f"{np.median([h[-1]['reward_mean'] for h in runs[name][lr]]):.2f}"] for name in methods for lr in lrs]
+    same_lr = vgrpo.ToyConfig().lr
+    plot(out / "mdp_baseline.png", {f"{n} @ {same_lr:g}": np.mean([[x["reward_mean"] for x in h]
+                                                                    for h in runs[n][same_lr]], 0) for n in methods},
+         title="2-D toy: V-GRPO vs Flow-GRPO (mean of seeds)", ylabel="reward")
+    text = ("Same pretrained toy model, reward, prompts per iteration (8 x 16), 16 sampling steps and seeds "
+            f"{seeds[0]}-{seeds[-1]}; AdamW at each learning rate, up to {iterations} iterations. V-GRPO: ToyConfig's "
+            "defaults (ODE rollouts, K = 4, 4 gradient steps per batch, ratio clip 0.01, x-space KL 0.3). " + MDP + ": "
+            "bench.flow_grpo_toy with Flow-GRPO's published settings (FlowGRPO: SDE rollouts of noise level 0.7, "
+            "per-step ratio clip 1e-4, advantages per group over the batch's std and clipped at 5, KL 0.04 to the "
+            "pretrained model, 15 of 16 steps trained, two optimizer steps per batch, weight decay 1e-4). Success: at "
+            f"least {SUCCESS:.0%} of an iteration's rollouts in the requested mode; NFE = forward + backward model "
+            "evaluations to it (the reference's forwards included); medians over the seeds that reach it.\n\n"
+            + table(["method", "lr", "seeds reaching success", "median iterations", "median NFE", "median seconds",
+                     "median final reward"], rows) + "\n\n" + comparison(costs, same_lr))
+    return text, {"costs": costs, "curves": {n: {str(lr): [[x["reward_mean"] for x in h] for h in hs]
+                                                  for lr, hs in by_lr.items()} for n, by_lr in runs.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -334,7 +431,6 @@ STABILITY_VARIANTS = {  # ToyConfig overrides; the first row is ToyConfig's defa
     "K = 8, no KL": dict(kl_coef=0.0, num_mc=8),
     "t in [0.05, 0.95], no KL": dict(kl_coef=0.0, t_min=0.05, t_max=0.95),
 }
-MDP = "Flow-GRPO-style (MDP)"
 DIVERGED_REWARD = -10.0  # the pretrained toy scores about -2.6; below -10 most samples are far off every mode
 
 
@@ -384,7 +480,7 @@ def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, 
 # ----------------------------------------------------------------------------------------------
 # 9. Stability on the tiny SD3 pipeline of the README: train.py against Flow-GRPO written for the pipeline
 
-SD3_THRESHOLDS = (0.60, 0.61)  # eval reward (color) on 32 prompts x 4 fixed noises; the fitted model starts near 0.575
+SD3_THRESHOLDS = (0.60, 0.61, 0.62)  # eval reward (color) on 32 prompts x 4 fixed noises; the fitted model starts near 0.575
 
 
 @contextlib.contextmanager
@@ -415,59 +511,46 @@ def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_e
 
 
 def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, steps: int = 10,
-                  noise_level: float = 0.7, clip_eps: float = 1e-4, kl_coef: float = 0.04, flags=()) -> list[dict]:
-    """Flow-GRPO (Liu et al. 2025, arXiv 2505.05470) on train.py's adapter, prompts, rewards, LoRA, optimizer, rollout
-    noise and evaluation: SDE rollouts of `steps` steps (sde_step), each step an action with its own Gaussian log-prob
-    and clipped ratio; group-standardised advantages clipped to [-5, 5], shared by the steps; the exact per-step KL
-    between the policy's and the reference's Gaussian kernels, ||mu - mu_ref||^2 / (2 std^2) averaged over dimensions,
-    the reference being the LoRA switched off; the first int(0.99 steps) steps trained (timestep fraction 0.99), one
-    optimizer step per rollout batch over all of them. History as vgrpo_sd3's; flags: train.py flags for both."""
+                  fg: FlowGRPO = FlowGRPO(), flags=()) -> list[dict]:
+    """Flow-GRPO (FlowGRPO's settings, flow_grpo_update) on train.py's adapter, prompts, rewards, LoRA (r 32, alpha 64,
+    Gaussian init, the attention projections: Flow-GRPO's), AdamW, rollout noise and evaluation: SDE rollouts of
+    `steps` steps, advantages per prompt over the batch's std, the reference the LoRA switched off. History as
+    vgrpo_sd3's; flags: train.py flags for both (--lr sets this one's too)."""
     cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
     model = train.load_pipeline(cfg, "sd3", device, torch.float32)
     train.make_trainable(model.transformer, cfg)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
     weights = rewards.parse_reward_spec(cfg.rewards)
     reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
     prompts = [train.Prompt(p, {}) for p in models.TINY_PROMPTS]
     eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
     grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
                        max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
-    trained = int(steps * 0.99)
-    kernel = partial(sde_mean_std, model.velocity, noise_level=noise_level, t_cap=grid[1])
-    P, G = cfg.num_prompts, cfg.group_size
+
+    def reference(x, t, cond):
+        with adapters_disabled(model.transformer):
+            return model.velocity(x, t, cond)
+
+    P, G, trained_steps = cfg.num_prompts, cfg.group_size, int(steps * fg.timestep_fraction)
     g = torch.Generator().manual_seed(seed)
     history, nfe, seconds = [], 0, 0.0
     for it in range(iterations):
         start = time.perf_counter()
         batch = [prompts[i] for i in train.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
         cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
-        x, path = train.initial_noise(cfg, model, "rollout", it, range(P * G), device), []
-        with torch.no_grad():
-            for t, t_next in zip(grid[:-1], grid[1:]):
-                x_next, log_prob = sde_step(model.velocity, x, t, t_next, cond, noise_level=noise_level, t_cap=grid[1],
-                                            generator=g)
-                path.append((x, t, t_next, x_next, log_prob))
-                x = x_next
-            images = model.decode(x)
+        noise = train.initial_noise(cfg, model, "rollout", it, range(P * G), device)
+        x, path = sample_sde(model.velocity, noise, grid, cond, fg, g)
+        images = model.decode(x)
         scores = {n: fn(images, [p.text for p in batch], [p.metadata for p in batch]).float() for n, fn in reward_fns.items()}
         reward = sum(w * scores[n] for n, w in weights.items())
-        adv = vgrpo.group_advantages(reward.view(P, G)).clamp(-5, 5).flatten()
-        optimizer.zero_grad()
-        for x_t, t, t_next, x_next, old in path[:trained]:
-            mean, std = kernel(x_t, t, t_next, cond)
-            with torch.no_grad(), adapters_disabled(model.transformer):
-                ref_mean, _ = kernel(x_t, t, t_next, cond)
-            ratio = (gaussian_log_prob(x_next, mean, std) - old).exp()
-            policy = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)).mean()
-            kl = gaussian_kl(mean, ref_mean, std).mean()
-            ((policy + kl_coef * kl) / trained).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        optimizer.step()
+        adv = vgrpo.group_advantages(reward.view(P, G), global_std=True).flatten()
+        n = flow_grpo_update(model.velocity, reference, path, cond, adv, optimizer, params, fg, t_cap=grid[1],
+                             max_grad_norm=cfg.max_grad_norm, generator=g)
         seconds += time.perf_counter() - start
-        nfe += P * G * (steps + 3 * trained)  # rollout; per trained step a forward, a backward and the reference's forward
+        nfe += P * G * steps + 3 * n * trained_steps  # rollout; per trained step a forward, a backward, a reference forward
         entry = dict(reward_mean=reward.mean().item(), eval=None, nfe=nfe, seconds=seconds)
         if it % eval_every == 0 or it == iterations - 1:
             entry["eval"] = train.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
@@ -489,65 +572,56 @@ def fall_back(history: list[dict]) -> float:
     return evals[best] - min(evals[best:])
 
 
-# train.py flags of the V-GRPO rows: the tiny preset (2 gradient steps per batch, ratio clip 0.01, x-space KL 0.3 to the
-# behaviour policy, which acts from a batch's second step on), one fully on-policy step (the former preset), and one
-# step at a smaller learning rate.
-ONE_STEP = ("--num_grad_steps", "1", "--clip_eps", "none", "--kl_coef", "0")
-SD3_VARIANTS = {"V-GRPO (tiny preset: 2 steps + KL 0.3)": (), "V-GRPO, 1 step": ONE_STEP,
-                "V-GRPO, 1 step, lr 3e-4": (*ONE_STEP, "--lr", "3e-4")}
+SD3_LRS = {"V-GRPO": (1e-3, 3e-3), MDP: (1e-3, 3e-3, 1e-2)}  # the small sweep: each method's best lr is inside it
+SD3_ITERATIONS = {"V-GRPO": 40, MDP: 50}
 
 
-def section_sd3_stability(out: Path, seeds=SEEDS, iterations: dict | None = None, eval_every: int = 5,
-                          fit_steps: int | None = None, flags=(), variants: dict = SD3_VARIANTS) -> tuple[str, dict]:
-    iterations = {**{name: 30 for name in variants}, MDP: 50, **(iterations or {})}
+def section_sd3_stability(out: Path, seeds=SEEDS, lrs: dict = SD3_LRS, iterations: dict = SD3_ITERATIONS,
+                          eval_every: int = 5, fit_steps: int | None = None, flags=()) -> tuple[str, dict]:
+    """train.py's tiny preset and flow_grpo_sd3 at each learning rate of lrs, from one fitted pipeline."""
     root = Path(tempfile.mkdtemp())
     fit_steps = train.Config().tiny_fit_steps if fit_steps is None else fit_steps
     models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
     (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(models.TINY_PROMPTS) + "\n")  # train.py's built-in ones
-    runs = {name: [vgrpo_sd3(root / "tiny-sd3", root / f"{i}-{seed}", seed, iterations[name], eval_every,
-                             (*flags, *extra)) for seed in seeds] for i, (name, extra) in enumerate(variants.items())}
-    runs[MDP] = [flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every, flags=flags) for seed in seeds]
+    runs = {"V-GRPO": {lr: [vgrpo_sd3(root / "tiny-sd3", root / f"{lr:g}-{seed}", seed, iterations["V-GRPO"], eval_every,
+                                      (*flags, "--lr", f"{lr:g}")) for seed in seeds] for lr in lrs["V-GRPO"]},
+            MDP: {lr: [flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every, flags=(*flags, "--lr", f"{lr:g}"))
+                       for seed in seeds] for lr in lrs[MDP]}}
     return sd3_stability_report(runs, out, seeds=seeds, iterations=iterations, eval_every=eval_every,
                                 fit_steps=fit_steps)
 
 
 def sd3_stability_report(runs: dict, out: Path, *, seeds, iterations: dict, eval_every: int,
                          fit_steps: int) -> tuple[str, dict]:
-    """Section 9's table, summary and plot from the runs' histories ({method: [history per seed]})."""
-    rows, ratios = [], {}
+    """Section 9's table, comparisons and plot from the runs' histories ({method: {lr: [history per seed]}})."""
+    rows, summary = [], []
     for threshold in SD3_THRESHOLDS:
-        costs = {name: [threshold_cost(h, threshold) for h in hs] for name, hs in runs.items()}
-        for name, cs in costs.items():
-            hit = [c for c in cs if c is not None]
-            falls = [fall_back(h) for h in runs[name]]
-            rows.append([name, threshold, f"{len(hit)} of {len(cs)}",
-                         *(f"{np.median([c[k] for c in hit]):.0f}" if hit else "-" for k in ("iterations", "nfe")),
-                         f"{np.median([c['seconds'] for c in hit]):.0f}" if hit else "-",
-                         f"{np.median(falls):.3f} / {max(falls):.3f}"])
-        for name in runs:
-            if name == MDP:
-                continue
-            pairs = [(a, b) for a, b in zip(costs[name], costs[MDP]) if a is not None and b is not None]
-            ratios[f"{name} @ {threshold:g}"] = {"NFE": [b["nfe"] / a["nfe"] for a, b in pairs],
-                                                 "seconds": [b["seconds"] / a["seconds"] for a, b in pairs]}
-    curves = {name: [[h["eval"] for h in run if h["eval"] is not None] for run in hs] for name, hs in runs.items()}
+        costs = {name: {lr: [threshold_cost(h, threshold) for h in hs] for lr, hs in by_lr.items()}
+                 for name, by_lr in runs.items()}
+        for name, by_lr in runs.items():
+            for lr, hs in by_lr.items():
+                falls = [fall_back(h) for h in hs]
+                rows.append([name, f"{lr:g}", threshold, *cost_cells(costs[name][lr]),
+                             f"{np.median(falls):.3f} / {max(falls):.3f}", sum(f > 0.01 for f in falls)])
+        summary.append(f"Eval {threshold:g}:\n" + comparison(costs, train.Config().lr))
+    curves = {f"{name} @ {lr:g}": [[h["eval"] for h in run if h["eval"] is not None] for run in hs]
+              for name, by_lr in runs.items() for lr, hs in by_lr.items()}
     plot(out / "sd3_stability.png", {n: np.mean(c, 0) for n, c in curves.items()}, every=eval_every,
          title=f"tiny SD3, color reward: mean eval reward of {len(seeds)} seeds", ylabel="eval reward")
-    summary = "\n".join(
-        f"- {key}: MDP / this, per seed where both reach it ({len(r['NFE'])} of {len(seeds)}): "
-        + (f"model evaluations x{mean_std(r['NFE'])}, training time x{mean_std(r['seconds'])}" if r["NFE"]
-           else "not comparable") for key, r in ratios.items())
-    v_grpo = ", ".join(f"{name} {iterations[name]}" for name in runs if name != MDP)
     text = (f"Tiny SD3 fitted to toy images (the README's setting, {fit_steps} fitting steps), color reward, 8 prompts x 8 "
-            f"samples per iteration, AdamW 1e-3 unless named, LoRA r 32 (train.py defaults); seeds {seeds[0]}-{seeds[-1]}. "
-            f"V-GRPO: train.py's tiny preset (8 Euler ODE steps, K = 8; iterations: {v_grpo}). {MDP}: flow_grpo_sd3 "
-            f"({iterations[MDP]} iterations, 10 SDE steps of noise level 0.7, ratio clip 1e-4, KL 0.04 to the reference). "
-            f"All evaluated by train.evaluate every {eval_every} iterations on 32 prompts x 4 fixed noises with the 8-step "
-            "Euler ODE. NFE = forward + backward model evaluations of training (rollouts included, evaluations not); "
-            "seconds likewise; fall-back = best eval minus the lowest eval after it (median / largest over seeds).\n\n"
-            + table(["method", "eval threshold", "seeds reaching it", "median iterations", "median NFE", "median seconds",
-                     "fall-back median / max"], rows) + "\n\n" + summary)
-    return text, {"ratios": ratios, "curves": curves, "histories": runs}
+            f"samples per iteration, AdamW, LoRA r 32 alpha 64 (train.py's), seeds {seeds[0]}-{seeds[-1]}, each learning "
+            f"rate as named. V-GRPO: train.py's tiny preset (8 Euler ODE steps, K = 8, 2 gradient steps per batch, ratio "
+            f"clip 0.01, x-space KL 0.3), {iterations['V-GRPO']} iterations. {MDP}: flow_grpo_sd3 with Flow-GRPO's "
+            f"published settings (10 SDE steps of noise level 0.7, 9 trained, ratio clip 1e-4, advantages per prompt "
+            f"over the batch's std, clipped at 5, KL 0.04 to the LoRA switched off, two optimizer steps per batch, "
+            f"weight decay 1e-4), {iterations[MDP]} iterations. All evaluated by train.evaluate every {eval_every} "
+            "iterations on 32 prompts x 4 fixed noises with the 8-step Euler ODE. NFE = forward + backward model "
+            "evaluations of training (rollouts included, evaluations not); seconds likewise; fall-back = best eval minus "
+            "the lowest eval after it (median / largest over seeds; the last column: seeds falling back more than 0.01)."
+            "\n\n" + table(["method", "lr", "eval threshold", "seeds reaching it", "median iterations", "median NFE",
+                             "median seconds", "fall-back median / max", "seeds falling back > 0.01"], rows)
+            + "\n\n" + "\n\n".join(summary))
+    return text, {"curves": curves, "histories": {n: {str(lr): hs for lr, hs in by_lr.items()} for n, by_lr in runs.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -911,32 +985,96 @@ class RandomModel:
         self.cond_template = {k: v if k == "mask" else torch.randn_like(v) for k, v in adapter.cond_like(1).items()}
 
 
-def section_gpu(sizes: dict | None = None, device=None, dtype=torch.bfloat16, repeats: int = 3) -> tuple[str, dict]:
+# Dense bf16 tensor-core peaks (TFLOP/s, SXM parts, no sparsity), by a substring of the device name: what model FLOP
+# utilisation is a fraction of.
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def peak_tflops(device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
+
+
+def rollout_row(spec: dict, batch: int, device, dtype, repeats: int, backend: str) -> dict:
+    """Rollout throughput of one preset at `batch` samples per sampling call: a sampling step's seconds eager and
+    with each block compiled (train.compile_blocks), its FLOPs (torch's FlopCounterMode, both CFG halves counted),
+    images/s over the preset's steps and model FLOP utilisation against the card's bf16 peak."""
+    model = RandomModel(spec, device, dtype)
+    cond = {k: v.expand(batch, *v.shape[1:]).to(device) for k, v in model.cond_template.items()}
+    velocity = model.velocity
+    if spec["cfg"] != 1:
+        velocity = model.guided(model.velocity, {k: v.to(device) for k, v in model.cond_template.items()}, spec["cfg"])
+    noise, t = torch.randn(batch, *model.latent_shape(), device=device), torch.full((batch,), 0.5, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    step = lambda: (velocity(noise, t, cond), sync())  # noqa: E731
+    with torch.no_grad():
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            velocity(noise, t, cond)
+        eager_s, = median_seconds(step, repeats=repeats)
+        train.compile_blocks(model.transformer, backend)
+        step()  # compiles; median_seconds warms up once more
+        compiled_s, = median_seconds(step, repeats=repeats)
+    peak = peak_tflops(device)
+    row = dict(batch=batch, flops=counter.get_total_flops(), eager_s=eager_s, compiled_s=compiled_s)
+    for kind in ("eager", "compiled"):
+        seconds = row[f"{kind}_s"]
+        row[f"{kind}_images_per_s"] = batch / (seconds * spec["steps"])
+        row[f"{kind}_mfu"] = row["flops"] / seconds / (peak * 1e12) if peak else None
+    return row
+
+
+def section_gpu(sizes: dict | None = None, device=None, dtype=torch.bfloat16, repeats: int = 3,
+                rollout_batches: dict | None = None, backend: str = "inductor") -> tuple[str, dict]:
+    """rollout_batches: {preset: sampling calls' batch sizes} for the rollout table (default: the training table's
+    batch and the preset's rollout_batch_size)."""
     device, sizes = device or torch.device("cuda"), sizes or real_sizes()
     models.avoid_cudnn_attention()  # as train.py does
     rows, results = [], {}
+
+    def guarded(key: str, measure, row_of, width: int) -> None:
+        try:
+            results[key] = measure()
+            rows[-1].append(row_of(results[key]))
+        except torch.OutOfMemoryError:  # a row that does not fit is a result, not the end of the section
+            results[key] = "out of memory"
+            rows[-1].append([*key.split(" "), "out of memory", *[""] * (width - 3)])
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()
+        print("|", " | ".join(str(c) for c in rows[-1][-1]), "|", flush=True)  # a row survives a later timeout
+
+    rows.append([])
     for name, spec in sizes.items():
         for ckpt in (False, True):
-            try:
-                result = gpu_row(spec, ckpt, device, dtype, repeats)
-            except torch.OutOfMemoryError:  # a row that does not fit is a result, not the end of the section
-                results[f"{name} ckpt={ckpt}"] = "out of memory"
-                rows.append([name, "on" if ckpt else "off", spec["samples"], "out of memory", "", "", "", ""])
-                continue
-            finally:
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            results[f"{name} ckpt={ckpt}"] = result
-            rows.append([name, "on" if ckpt else "off", spec["samples"], f"{result['sampling_step_s'] * 1e3:.0f}",
-                         f"{spec['samples'] / (result['sampling_step_s'] * spec['steps']):.2f}", f"{result['step_s'] * 1e3:.0f}",
-                         f"{result['ratio']:.2f}", f"{result['memory_gb']:.1f}"])
-            print("|", " | ".join(str(c) for c in rows[-1]), "|", flush=True)  # a row survives a later timeout
+            guarded(f"{name} ckpt={ckpt}", partial(gpu_row, spec, ckpt, device, dtype, repeats), lambda r: [
+                name, "on" if ckpt else "off", spec["samples"], f"{r['sampling_step_s'] * 1e3:.0f}",
+                f"{spec['samples'] / (r['sampling_step_s'] * spec['steps']):.2f}", f"{r['step_s'] * 1e3:.0f}",
+                f"{r['ratio']:.2f}", f"{r['memory_gb']:.1f}"], 8)
+    rows.append([])
+    mfu = lambda v: "-" if v is None else f"{v:.0%}"  # noqa: E731
+    for name, spec in sizes.items():
+        default = (spec["samples"], train.PRESETS.get(name, {}).get("rollout_batch_size", spec["samples"]))
+        for batch in sorted(set((rollout_batches or {}).get(name, default))):
+            guarded(f"{name} rollout-batch={batch}", partial(rollout_row, spec, batch, device, dtype, repeats, backend),
+                    lambda r: [name, r["batch"], f"{r['flops'] / 1e12:.2f}", f"{r['eager_s'] * 1e3:.0f}",
+                               f"{r['eager_images_per_s']:.2f}", mfu(r["eager_mfu"]), f"{r['compiled_s'] * 1e3:.0f}",
+                               f"{r['compiled_images_per_s']:.2f}", mfu(r["compiled_mfu"]),
+                               f"{r['eager_s'] / r['compiled_s']:.2f}"], 10)
+    peak = peak_tflops(device)
     text = (f"{torch.cuda.get_device_name() if device.type == 'cuda' else device}, {dtype}, random weights, LoRA r 32, "
             "K = 4, each preset's resolution and text length; a sampling step is one forward, two with the preset's CFG "
             "(Qwen-Image, FLUX.2 [klein] base: 4); rollout images/s = batch / (sampling step x the preset's steps: "
             + ", ".join(f"{n} {spec['steps']}" for n, spec in sizes.items()) + ").\n\n"
             + table(["model", "activation ckpt", "batch", "ms per sampling step", "rollout images/s", "ms per update",
-                     "update / (fwd + bwd)", "peak GiB"], rows))
+                     "update / (fwd + bwd)", "peak GiB"], rows[0])
+            + f"\n\nRollouts, no LoRA, eager and with each transformer block compiled ({backend}, train.compile_blocks; "
+            f"--compile {backend}): TFLOP per sampling step counted by torch's FlopCounterMode; MFU = FLOP/s against "
+            + (f"the card's dense bf16 peak, {peak:g} TFLOP/s" if peak else "a known card's dense bf16 peak (none here)")
+            + ".\n\n" + table(["model", "batch", "TFLOP per step", "eager ms", "eager images/s", "eager MFU",
+                                 "compiled ms", "compiled images/s", "compiled MFU", "speed-up"], rows[1]))
     return text, results
 
 
@@ -1066,7 +1204,7 @@ def main() -> None:
     jobs = {
         1: ("1. Surrogate statistics", lambda: section_surrogate(toy_model, tiny_model(fit_steps=250))),
         2: ("2. Ablations on the 2-D toy", lambda: section_ablations(toy_model, out)),
-        3: ("3. V-GRPO against a Flow-GRPO-style MDP baseline", lambda: section_mdp(toy_model, out)),
+        3: ("3. V-GRPO against Flow-GRPO on the 2-D toy", lambda: section_mdp(toy_model, out)),
         4: ("4. Overhead", section_overhead),
         7: ("7. Scale: the old-policy pass and FSDP2 rollout all-gathers", section_scale),
         8: ("8. Stability: learning rate against the gradient-step controls", lambda: section_stability(toy_model, out)),

@@ -1720,6 +1720,67 @@ def test_torchrun_fsdp2_two_processes_match_one_process(tiny_dirs, sd3_run, tmp_
     assert_same_training(sd3_run, tmp_path)
 
 
+def test_rollout_scores_each_chunk_while_the_next_one_samples():
+    """train.rollout decodes and scores chunk i in a second thread while chunk i + 1 samples (chunk 0's reward waits
+    for chunk 1's first velocity: one after the other it would time out), without gradients, and returns what
+    decoding and scoring the final latents directly returns."""
+    model = bench.tiny_model()
+    cfg, steps = train.Config(rollout_batch_size=2), len(model.timesteps()) - 1
+    second_chunk, calls, waited, grad_mode = threading.Event(), [], [], []
+
+    def velocity(z, t, cond):
+        calls.append(1)
+        if len(calls) == steps + 1:
+            second_chunk.set()
+        return model.velocity(z, t, cond)
+
+    def reward(images, texts, metadata):
+        waited.append(second_chunk.wait(timeout=20))
+        grad_mode.append(torch.is_grad_enabled())
+        return rewards.load_reward("color")(images, texts, metadata)
+
+    batch = [train.Prompt(t, {}) for t in ("a red car", "a blue car", "a green car", "a red cat")]
+    cond = model.encode([p.text for p in batch])
+    noise = torch.randn(4, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
+    x0, scores = train.rollout(cfg, model, velocity, batch, cond, noise, {"color": reward})
+    assert waited == [True, True] and grad_mode == [False, False]
+    torch.testing.assert_close(x0, vgrpo.sample_ode(model.velocity, noise, cond, model.timesteps(), solver="euler"))
+    want = rewards.load_reward("color")(model.decode(x0), [p.text for p in batch], [{}] * 4)
+    torch.testing.assert_close(scores["color"], want)
+
+
+def test_compiled_blocks_sample_and_train_as_eager_ones_under_their_own_names():
+    """--compile: each transformer block compiled in place (here with aot_eager: the same graphs and autograd as
+    inductor, without generating kernels, so the CPU suite stays fast); the LoRA model samples and takes surrogate
+    gradients as the eager one does, and its parameter names (checkpoints, the LoRA export) are unchanged."""
+    import torch._dynamo
+
+    eager, compiled = bench.tiny_model(), bench.tiny_model()
+    for model in (eager, compiled):
+        torch.manual_seed(0)
+        train.make_trainable(model.transformer, train.Config())
+    names = [n for n, _ in compiled.transformer.named_parameters()]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        train.compile_blocks(compiled.transformer, "aot_eager")
+        assert [n for n, _ in compiled.transformer.named_parameters()] == names
+        cond = eager.encode(["a red car", "a blue car"])
+        noise = torch.randn(2, *eager.latent_shape(), generator=torch.Generator().manual_seed(0))
+        x0 = [vgrpo.sample_ode(m.velocity, noise, cond, m.timesteps(), solver="euler") for m in (eager, compiled)]
+        t, eps = vgrpo.draw_mc_pairs(1, 2, 2, tuple(noise.shape[1:]), generator=torch.Generator().manual_seed(1))
+        grads = []
+        for model in (eager, compiled):
+            s, _ = vgrpo.elbo_surrogate(model.velocity, x0[0], cond, t, eps)
+            s.sum().backward()
+            grads.append(torch.cat([p.grad.flatten() for p in model.transformer.parameters() if p.requires_grad]))
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled blocks did run
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(x0[1], x0[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
 def test_fsdp2_rollouts_gather_the_model_once_per_rollout_batch(tmp_path):
     """6 Euler steps on the tiny SD3 transformer sharded over 2 gloo ranks: one all-gather per FSDP unit (2 blocks +
     root) instead of one per block and step, the same samples, and the parameters sharded again afterwards."""
@@ -3098,6 +3159,7 @@ BAD_INPUTS = [
     (["--param", "z"], "--param 'z' is not one of"),
     (["--dtype", "float16"], "--dtype 'float16' is not one of auto, bfloat16, float32"),
     (["--tracker", "mlflow"], "--tracker 'mlflow' is not one of none, tensorboard, wandb"),
+    (["--compile", "tvm"], "--compile 'tvm' is not one of none, inductor, aot_eager"),
     (["--eval_prompts", "{tmp}/missing.txt"], "does not exist"),
     (["--lora_targets", ""], "--lora_targets: name at least one module"),
     (["--prompts", "{tmp}/colourless.txt", "--rewards", "ocr"], "colourless.txt, prompt 1: the ocr reward reads the text"),
@@ -3255,22 +3317,82 @@ import bench  # noqa: E402
 def test_flow_grpo_baseline_step_log_prob_is_the_gaussian_density():
     velocity = lambda z, t, c: 0.3 * z - 1.0  # noqa: E731
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
-    x_next, log_prob = bench.sde_step(velocity, x, 0.6, 0.5, None, noise_level=0.7, t_cap=0.9,
-                                      generator=torch.Generator().manual_seed(1))
-    v = velocity(x, None, None)
+    grid = [1.0, 0.6, 0.5, 0.0]
+    _, path = bench.sample_sde(velocity, x, grid, None, bench.FlowGRPO(), torch.Generator().manual_seed(1))
+    x_t, t, t_next, x_next, log_prob = path[1]
+    assert (t, t_next) == (0.6, 0.5) and torch.equal(x_t, path[0][3])
+    v = velocity(x_t, None, None)
     sigma = 0.7 * math.sqrt(0.6 / 0.4)
-    mean = x + (v + sigma**2 / 1.2 * (x + 0.4 * v)) * -0.1
+    mean = x_t + (v + sigma**2 / 1.2 * (x_t + 0.4 * v)) * -0.1
     normal = torch.distributions.Normal(mean, sigma * math.sqrt(0.1))
     torch.testing.assert_close(log_prob, normal.log_prob(x_next).mean(1))
-    _, again = bench.sde_step(velocity, x, 0.6, 0.5, None, noise_level=0.7, t_cap=0.9, x_next=x_next)
-    torch.testing.assert_close(again, log_prob)
+    # at t = 1 sigma's t is the grid's second point (Flow-GRPO's sigma_max); the last step, to 0, is noisy too
+    assert bench.sde_mean_std(velocity, x, 1.0, 0.6, None, noise_level=0.7, t_cap=0.6)[1] == 0.7 * math.sqrt(1 / 0.4)
+    assert not torch.allclose(path[-1][3], bench.sde_mean_std(velocity, path[-1][0], 0.5, 0.0, None, noise_level=0.7,
+                                                              t_cap=0.6)[0])
 
 
-def test_flow_grpo_kl_is_the_gaussian_kl_and_the_reference_is_the_model_without_its_lora():
+def test_flow_grpo_update_is_flow_grpos_training_phase_written_out():
+    """flow_grpo_update against Flow-GRPO's training phase written out by hand (torch.distributions for the kernel's
+    density and the KL) on a linear velocity: with one update per batch, one SGD step on the mean over the samples with
+    a non-zero advantage and over the first int(0.99 T) steps of the clipped objective (advantage clipped to 5) plus
+    beta KL; with two, two optimizer steps, each over half the samples (one zero-advantage sample kept to split evenly)."""
+    Normal = torch.distributions.Normal
+    g = torch.Generator().manual_seed(0)
+    policy = torch.nn.Linear(2, 2)
+    reference, behaviour = copy.deepcopy(policy), copy.deepcopy(policy)
+    with torch.no_grad():  # the policy differs from the reference (the KL acts) and from the sampler (ratios clip)
+        policy.weight.add_(0.3 * torch.randn(2, 2, generator=g))
+        behaviour.weight.add_(0.3 * torch.randn(2, 2, generator=g))
+
+    def velocity(module):
+        return lambda x, t, c: module(x) * (1 + t[:, None])
+
+    grid, c = [1.0, 0.75, 0.5, 0.25, 0.0], torch.zeros(8)
+    fg = bench.FlowGRPO(updates_per_batch=1, clip_range=0.05)
+    _, path = bench.sample_sde(velocity(behaviour), torch.randn(8, 2, generator=g), grid, c, fg, g)
+    adv = torch.tensor([1.0, -0.5, 0.0, 2.0, -7.0, 0.3, -0.3, 0.0])
+    keep, a = adv != 0, adv.clamp(-5, 5)
+    want, loss, ratios = copy.deepcopy(policy), 0.0, []
+    for x_t, t, t_next, x_next, old in path[:3]:  # int(0.99 * 4) steps trained
+        sigma = 0.7 * math.sqrt(t / (1 - min(t, 0.75)))
+        dt = t_next - t
+
+        def mean(module):
+            v = velocity(module)(x_t, torch.full((8,), t), c)
+            return x_t + (v + sigma**2 / (2 * t) * (x_t + (1 - t) * v)) * dt
+
+        mu, mu_ref = mean(want), mean(reference).detach()
+        ratio = (Normal(mu, sigma * math.sqrt(-dt)).log_prob(x_next).mean(1) - old).exp()
+        objective = torch.max(-a * ratio, -a * ratio.clamp(0.95, 1.05))
+        kl = torch.distributions.kl_divergence(Normal(mu, sigma), Normal(mu_ref, sigma)).mean(1)
+        loss = loss + (objective[keep].mean() + 0.04 * kl[keep].mean()) / 3
+        ratios.append(ratio[keep])
+    assert ((torch.cat(ratios) - 1).abs() > 0.05).any()  # the clip is exercised
+    loss.backward()
+    got = copy.deepcopy(policy)
+    trained = bench.flow_grpo_update(velocity(got), velocity(reference), path, c, adv, torch.optim.SGD(got.parameters(), lr=0.1),
+                                     list(got.parameters()), fg, t_cap=0.75, max_grad_norm=1e9, generator=g)
+    assert trained == 6
+    for p_got, p_want in zip(got.parameters(), want.parameters()):
+        torch.testing.assert_close(p_got, p_want - 0.1 * p_want.grad)
+
+    rows, steps = [], []
+    optimizer = torch.optim.SGD(got.parameters(), lr=0.1)
+    optimizer.register_step_post_hook(lambda *_: steps.append(len(rows)))
+    adv[3] = 0.0  # 5 non-zero: one zero-advantage sample joins them
+    trained = bench.flow_grpo_update(lambda x, t, c: rows.append(x.shape[0]) or got(x), velocity(reference), path, c, adv,
+                                     optimizer, list(got.parameters()), bench.FlowGRPO(), t_cap=0.75, max_grad_norm=1e9,
+                                     generator=g)
+    assert trained == 6 and rows == [3] * 6 and steps == [3, 6]
+
+
+def test_flow_grpo_kl_is_flow_grpos_and_the_reference_is_the_model_without_its_lora():
+    """Flow-GRPO's KL is the Gaussian KL with the SDE's sigma as the std (not the step's sigma sqrt(|dt|))."""
     g = torch.Generator().manual_seed(0)
     mean, ref = torch.randn(4, 3, 2, generator=g), torch.randn(4, 3, 2, generator=g)
     want = torch.distributions.kl_divergence(torch.distributions.Normal(mean, 0.3), torch.distributions.Normal(ref, 0.3))
-    torch.testing.assert_close(bench.gaussian_kl(mean, ref, 0.3), want.flatten(1).mean(1))
+    torch.testing.assert_close(bench.flow_grpo_kl(mean, ref, 0.3), want.flatten(1).mean(1))
     model = bench.tiny_model()
     base_z, t, cond = torch.randn(2, *model.latent_shape(), generator=g), torch.tensor([0.3, 0.7]), model.encode(["a", "b"])
     with torch.no_grad():
@@ -3292,13 +3414,28 @@ def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evalu
     and evaluation (equal first evaluation up to one update), and each counts its own model evaluations per iteration:
     64 samples x (8 ODE steps + K = 8 forwards and 8 backwards + 4 old-policy forwards: the tiny preset's second
     mini-batch) against 64 x (10 SDE steps + 9 trained steps x (forward, backward, reference forward))."""
-    text, data = bench.section_sd3_stability(tmp_path, seeds=(0,), iterations={"V-GRPO": 2, bench.MDP: 2}, eval_every=1,
-                                             fit_steps=0, flags=("--eval_samples", "8"), variants={"V-GRPO": ()})
-    ours, base = data["histories"]["V-GRPO"][0], data["histories"][bench.MDP][0]
+    text, data = bench.section_sd3_stability(tmp_path, seeds=(0,), lrs={"V-GRPO": (1e-3,), bench.MDP: (1e-3,)},
+                                             iterations={"V-GRPO": 2, bench.MDP: 2}, eval_every=1, fit_steps=0,
+                                             flags=("--eval_samples", "8"))
+    ours, base = data["histories"]["V-GRPO"]["0.001"][0], data["histories"][bench.MDP]["0.001"][0]
     assert [h["nfe"] for h in ours] == [64 * 28, 2 * 64 * 28] and [h["nfe"] for h in base] == [64 * 37, 2 * 64 * 37]
     assert all(h["eval"] is not None and h["seconds"] > 0 for h in ours + base)
     assert abs(ours[0]["eval"] - base[0]["eval"]) < 1e-3
-    assert text.count("\n| V-GRPO |") == len(bench.SD3_THRESHOLDS) and text.count(f"\n| {bench.MDP} |") == 2
+    assert text.count("\n| V-GRPO | 0.001 |") == len(bench.SD3_THRESHOLDS) == text.count(f"\n| {bench.MDP} | 0.001 |")
+
+
+def test_comparison_takes_each_methods_best_learning_rate_among_those_every_seed_reaches():
+    def cost(nfe):
+        return None if nfe is None else dict(iterations=1, nfe=nfe, seconds=nfe / 100)
+
+    costs = {"V-GRPO": {1e-3: [cost(10), cost(30)], 3e-3: [cost(5), None]},  # 3e-3 is cheaper but misses a seed
+             bench.MDP: {1e-3: [cost(80), cost(60)], 3e-3: [cost(40), cost(30)]}}
+    assert bench.best_lr(costs["V-GRPO"]) == 1e-3 and bench.best_lr(costs[bench.MDP]) == 3e-3
+    same, best = bench.comparison(costs, 1e-3).splitlines()
+    assert "at the same lr 0.001: model evaluations x5.000 ± 3.000" in same  # 80/10, 60/30
+    assert "each at its best lr (V-GRPO 0.001, Flow-GRPO (MDP) 0.003): model evaluations x2.500 ± 1.500" in best
+    costs["V-GRPO"][1e-3][1] = None
+    assert "best against best: not comparable (V-GRPO" in bench.comparison(costs, 1e-3)
 
 
 def test_stability_table_counts_success_only_before_a_divergence():
@@ -3326,10 +3463,8 @@ def test_flow_grpo_baseline_sde_keeps_the_marginals_of_the_flow():
         return (t - (1 - t) * s**2) / var * (x - (1 - t) * m) - m
 
     g = torch.Generator().manual_seed(0)
-    ts = vgrpo.flow_timesteps(400).tolist()
-    x = torch.randn(20000, 1, generator=g)
-    for t, t_next in zip(ts[:-1], ts[1:]):
-        x, _ = bench.sde_step(velocity, x, t, t_next, None, noise_level=0.7, t_cap=ts[1], generator=g)
+    x, _ = bench.sample_sde(velocity, torch.randn(20000, 1, generator=g), vgrpo.flow_timesteps(400).tolist(), None,
+                            bench.FlowGRPO(), g)
     assert abs(x.mean().item() - m) < 0.02 and abs(x.std().item() - s) < 0.02
 
 
@@ -3339,10 +3474,24 @@ def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
     tiny = {family: dict(family=family, config=dict(models.tiny_pipeline(family).transformer.config), resolution=32,
                          steps=2, tokens=8, cfg=4.0 if family in ("qwenimage", "flux2") else 1.0, samples=2)
             for family in models.ADAPTERS}
-    text, results = bench.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32)
-    assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)}
-    assert all(r["step_s"] > 0 and r["floor_s"] > 0 and math.isfinite(r["ratio"]) for r in results.values())
-    assert all(text.count(f"\n| {n} |") == 2 for n in tiny)
+    text, results = bench.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32,
+                                      rollout_batches={n: (2,) for n in tiny}, backend="eager")
+    assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)} | {f"{n} rollout-batch=2" for n in tiny}
+    training = [r for key, r in results.items() if "ckpt" in key]
+    assert all(r["step_s"] > 0 and r["floor_s"] > 0 and math.isfinite(r["ratio"]) for r in training)
+    assert all(text.count(f"\n| {n} |") == 3 for n in tiny)
+    # FLOPs of a sampling step: at least those of its linear layers, 2 x in x out per row, counted by hooks
+    for n, spec in tiny.items():
+        model, linear = bench.RandomModel(spec, torch.device("cpu"), torch.float32), []
+        for m in model.transformer.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda m, args, out: linear.append(2 * out.numel() * m.in_features))
+        cond = {k: v.expand(2, *v.shape[1:]) for k, v in model.cond_template.items()}
+        velocity = model.guided(model.velocity, model.cond_template, spec["cfg"]) if spec["cfg"] != 1 else model.velocity
+        with torch.no_grad():
+            velocity(torch.randn(2, *model.latent_shape()), torch.full((2,), 0.5), cond)
+        r = results[f"{n} rollout-batch=2"]
+        assert sum(linear) <= r["flops"] and r["eager_mfu"] is None and r["compiled_images_per_s"] > 0
     model = bench.RandomModel({**tiny["qwenimage"], "samples": 2}, torch.device("cpu"), torch.bfloat16)
     assert {p.dtype for p in model.transformer.parameters()} == {torch.bfloat16}
     assert torch.equal(model.cond_template["mask"], torch.ones_like(model.cond_template["mask"]))

@@ -45,6 +45,7 @@ import time
 import types
 import typing
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -136,6 +137,8 @@ class Config:
     rollout_batch_size: int = arg(32, "samples per sampling / decoding / reward call (per rank)")
     dtype: str = arg("auto", "compute dtype: auto (bfloat16 on GPU, float32 on CPU) | bfloat16 | float32")
     grad_checkpointing: bool = arg(False, "activation checkpointing in the transformer")
+    compile: str = arg("none", "none | inductor | aot_eager: torch.compile each transformer block with this backend "
+                               "(regional: LoRA, FSDP2, checkpoints and exports unchanged; the first iterations compile)")
     offload_text_encoders: bool = arg(True, "keep the frozen text encoders on the CPU, on the GPU only while encoding")
     rollout_gather_once: bool = arg(True, "under FSDP2 gather the transformer once per rollout batch, not once per ODE "
                                           "step (fewer all-gathers; holds one unsharded copy during rollouts)")
@@ -280,7 +283,8 @@ def validate_numbers(cfg: Config) -> None:
 def validate(cfg: Config, world_size: int) -> str:
     """Checks everything that can be checked without loading a model. Returns the model family."""
     choices = dict(solver=("euler", "heun", "ab2"), param=vgrpo.PARAMETERISATIONS, tracker=("none", "tensorboard", "wandb"),
-                   reward_aggregation=("advantage", "reward"), dtype=("auto", "bfloat16", "float32"))
+                   reward_aggregation=("advantage", "reward"), dtype=("auto", "bfloat16", "float32"),
+                   compile=("none", "inductor", "aot_eager"))
     for name, allowed in choices.items():
         if getattr(cfg, name) not in allowed:
             raise ConfigError(f"--{name} {getattr(cfg, name)!r} is not one of {', '.join(allowed)}")
@@ -476,6 +480,16 @@ def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.
     fully_shard(transformer, mesh=mesh, mp_policy=policy)
 
 
+def compile_blocks(transformer: torch.nn.Module, backend: str) -> None:
+    """Regional compilation, before FSDP2 as torchtitan does it: each transformer block compiled in place
+    (Module.compile), so the blocks keep their names (checkpoints, LoRA export), FSDP2 still shards them one by one,
+    and one compiled graph serves every block of a kind. Rollouts, the surrogate's passes and their backward all
+    run through it; a new batch shape (the last rollout chunk, an evaluation) compiles once more."""
+    for name in ("transformer_blocks", "single_transformer_blocks"):
+        for block in getattr(transformer, name, []):
+            block.compile(backend=backend)
+
+
 @contextlib.contextmanager
 def gathered_once(transformer: torch.nn.Module):
     """Under FSDP2, keep each unit's parameters unsharded from its first all-gather to the end of the block, so a
@@ -536,29 +550,50 @@ def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prom
             reward_fns: dict, progress: str = ""):
     """Sample, decode and score B samples (prompts[i] with conditioning row i) in chunks of
     rollout_batch_size; images are dropped after scoring. Returns final latents (B, ...) and rewards
-    {name: (B,)}. progress: a bar's title (shown on a terminal), or none. A reward server that fails stops the run
-    on every rank, after the sampling the other ranks' sharded forwards need."""
-    x0, scores, failure = [], {name: [] for name in reward_fns}, ""
+    {name: (B,)}. progress: a bar's title (shown on a terminal), or none. Each chunk is decoded and scored in a
+    second thread while the next one samples (rewards on the CPU or behind a server cost no sampling time). A
+    reward server that fails stops the run on every rank, after the sampling the other ranks' sharded forwards need."""
+    x0, scored = [], []
     chunks = range(0, len(prompts), cfg.rollout_batch_size)
-    for start in tqdm(chunks, desc=progress, disable=None if progress else True, leave=False, dynamic_ncols=True):
-        rows = slice(start, start + cfg.rollout_batch_size)
-        with gathered_once(model.transformer) if cfg.rollout_gather_once else contextlib.nullcontext():
-            x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
-                                 solver=cfg.solver)
-        images = model.decode(x)
-        for name, fn in reward_fns.items():
-            try:
-                scored = fn(images, [p.text for p in prompts[rows]], [p.metadata for p in prompts[rows]]).float()
-            except rewards.RewardServerError as error:
-                failure = failure or f"reward {name}: {error}"
-                scored = torch.full((x.shape[0],), math.nan, device=x.device)
-            scores[name].append(scored)
-        x0.append(x)
-    failure = runs.first_failure(failure)
+    side = torch.cuda.Stream(noise.device) if noise.is_cuda else None  # the scorer's CUDA stream
+    with ThreadPoolExecutor(max_workers=1) as scorer:
+        for start in tqdm(chunks, desc=progress, disable=None if progress else True, leave=False, dynamic_ncols=True):
+            rows = slice(start, start + cfg.rollout_batch_size)
+            with gathered_once(model.transformer) if cfg.rollout_gather_once else contextlib.nullcontext():
+                x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
+                                     solver=cfg.solver)
+            # x is ready where the sampling stream is now, not where it will be when the scorer starts
+            ready = torch.cuda.current_stream(x.device).record_event() if side else None
+            scored.append(scorer.submit(decode_and_score, model, reward_fns, x, prompts[rows], side, ready))
+            x0.append(x)
+        scored = [chunk.result() for chunk in scored]
+    if side:
+        torch.cuda.current_stream(noise.device).wait_stream(side)
+    failure = runs.first_failure(next((f for _, f in scored if f), ""))
     if failure:
         raise runs.RunStopped(f"{failure}. Nothing of this iteration was saved; the last checkpoint is kept: --resume "
                               "once the reward answers")
-    return torch.cat(x0), {k: torch.cat(v) for k, v in scores.items()}
+    return torch.cat(x0), {name: torch.cat([s[name] for s, _ in scored]) for name in reward_fns}
+
+
+@torch.no_grad()  # grad mode is per thread: the scorer's is on by default
+def decode_and_score(model: models.FlowAdapter, reward_fns: dict, x: torch.Tensor, prompts: list[Prompt],
+                     stream=None, ready=None):
+    """Decode x and score the images with every reward: ({name: (B,)}, the first reward server failure or "").
+    A failed server's scores are NaN, so the ranks can agree to stop after the iteration's sampling. On CUDA it runs
+    on `stream` once the event `ready` (x sampled) has passed."""
+    scores, failure = {}, ""
+    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
+        if ready:
+            stream.wait_event(ready)
+        images = model.decode(x)
+        for name, fn in reward_fns.items():
+            try:
+                scores[name] = fn(images, [p.text for p in prompts], [p.metadata for p in prompts]).float()
+            except rewards.RewardServerError as error:
+                failure = failure or f"reward {name}: {error}"
+                scores[name] = torch.full((x.shape[0],), math.nan, device=x.device)
+    return scores, failure
 
 
 def initial_noise(cfg: Config, model: models.FlowAdapter, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
@@ -606,6 +641,8 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     make_trainable(transformer, cfg)
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
+    if cfg.compile != "none":
+        compile_blocks(transformer, cfg.compile)
     replicas = hsdp_replicas(cfg.hsdp, world)
     if world > 1:
         for module in filter(None, (transformer, frozen_base)):
