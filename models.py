@@ -1144,7 +1144,8 @@ def plan_world_and_memory(cfg) -> tuple[int, float]:
 def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[MemoryPlan, str]:
     """The per-GPU memory plan of a train.Config on `world` GPUs of gpu_gb GiB and, when it does not fit, the flags
     that make it fit: levers taken cheapest first and cumulatively (a smaller micro-batch costs nothing at all; then
-    smaller rollout batches, gathering per ODE step, activation checkpointing: one more forward). prepare(transformer)
+    smaller rollout batches, gathering per ODE step, activation checkpointing: one more forward). When it fits and a
+    larger rollout batch would too, the largest one (sampling calls of more rows use a GPU better). prepare(transformer)
     makes it trainable as the run will (train.make_trainable)."""
     dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
     try:
@@ -1173,7 +1174,9 @@ def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[M
 
     plan = plan_of(cfg)
     if plan.fits():
-        return plan, ""
+        largest = largest_fitting(min(cfg.rollout_batch_size, local), local,
+                                  lambda rows: plan_of(dataclasses.replace(cfg, rollout_batch_size=rows)).fits())
+        return plan, f"--rollout_batch_size {largest} fits too" if largest > cfg.rollout_batch_size else ""
     # Not a lever: reward models in bf16 (their `dtype` option). Scores within 1e-3 of fp32 would need checking on
     # the real weights, which cannot be downloaded here; the plan counts them in the dtype they are given.
     levers = [{}, {"rollout_batch_size": max(1, cfg.rollout_batch_size // 4)}, {"rollout_gather_once": False},
@@ -1187,6 +1190,14 @@ def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[M
                 changed = {k: v for k, v in {**changes, "micro_batch_size": micro}.items() if getattr(cfg, k) != v}
                 return plan, f"{flags_for(changed)} makes it fit ({other.peak:.1f} GiB)"
     return plan, "nothing fits on this many GPUs: add GPUs, or lower --resolution or --lora_rank"
+
+
+def largest_fitting(low: int, high: int, fits) -> int:
+    """The largest n in [low, high] with fits(n), fits(low) given and fits monotone (bisection)."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+    return low
 
 
 def flags_for(changes: dict) -> str:

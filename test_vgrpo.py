@@ -3000,12 +3000,13 @@ def test_memory_plan_matches_a_measured_cpu_run_at_real_width(name, depth, real_
 
 def test_plan_cli_says_whether_it_fits_from_a_config_only_directory(real_dirs, tmp_path, capsys):
     """--plan reads configs only (the directory has no weights), prints the table ending in 'per GPU: X GiB of G GiB',
-    exits 0 when it fits with 10% headroom, else 1 with flags that make it fit (and they do)."""
+    exits 0 when it fits with 10% headroom (saying how large a rollout batch would fit too), else 1 with flags that
+    make it fit (and they do)."""
     root = tmp_path / "configs"
     shutil.copytree(real_dirs / "sd3.5-medium", root, ignore=shutil.ignore_patterns("*.safetensors"))
     argv = ["--plan", "--model", str(root), "--resolution", "128", "--max_sequence_length", "16", "--rewards",
             "color", "--plan_world_size", "2", "--num_prompts", "2", "--group_size", "8", "--micro_batch_size", "8",
-            "--num_mc", "4", "--num_grad_steps", "1"]
+            "--num_mc", "4", "--num_grad_steps", "1", "--rollout_batch_size", "2"]
 
     def plan(*extra):
         code = 0
@@ -3017,14 +3018,23 @@ def test_plan_cli_says_whether_it_fits_from_a_config_only_directory(real_dirs, t
         return code, captured.out, captured.err.strip()
 
     code, out, _ = plan("--plan_gpu_gb", "80")
-    last = out.strip().splitlines()[-1]
+    *_, last, note = out.strip().splitlines()
     assert code == 0 and re.fullmatch(r"per GPU: [0-9.]+ GiB of 80 GiB", last)
+    assert note.startswith("--rollout_batch_size 8 fits too")  # the 8 samples per rank in one sampling call
     assert "reward models" in out and "activations saved for backward (32 rows" in out
     tight = ["--plan_gpu_gb", last.split()[2]]
     code, _, err = plan(*tight)
     advice = re.fullmatch(r"error: does not fit .* with 10% headroom: (.*) makes it fit \(.*\)", err)
     assert code == 1 and advice, (code, err)
     assert plan(*tight, *shlex.split(advice.group(1)))[0] == 0  # the advice is a configuration that fits
+
+
+def test_largest_fitting_is_the_brute_force_largest():
+    for low, high, limit in [(1, 1, 5), (1, 144, 1), (1, 144, 144), (3, 100, 37), (24, 144, 25), (2, 9, 8)]:
+        calls = []
+        got = models.largest_fitting(low, high, lambda n: calls.append(n) or n <= limit)
+        assert got == max(n for n in range(low, high + 1) if n <= limit or n == low)
+        assert len(calls) <= math.ceil(math.log2(high - low + 1)) + 1
 
 
 @pytest.mark.parametrize("lora_rank", [32, 0])

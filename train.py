@@ -905,6 +905,9 @@ def main(argv: list[str] | None = None) -> None:
             print(plan.table())
             if not plan.fits():
                 raise runs.RunStopped(f"does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
+            if advice:
+                print(f"{advice} (rollouts sample in calls of that many samples; bench.py section 5 measures what "
+                      "larger calls gain)")
             return
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         runs.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)), runs.machine_memory_gb())
