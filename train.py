@@ -482,9 +482,9 @@ def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.
 
 def compile_blocks(transformer: torch.nn.Module, backend: str) -> None:
     """Regional compilation, before FSDP2 as torchtitan does it: each transformer block compiled in place
-    (Module.compile), so the blocks keep their names (checkpoints, LoRA export), FSDP2 still shards them one by one,
-    and one compiled graph serves every block of a kind. Rollouts, the surrogate's passes and their backward all
-    run through it; a new batch shape (the last rollout chunk, an evaluation) compiles once more."""
+    (Module.compile), so the blocks keep their names (checkpoints, LoRA export) and FSDP2 still shards them one by
+    one. Rollouts, the surrogate's passes and their backward all run through it; a new batch shape (the last rollout
+    chunk, an evaluation) compiles once more."""
     for name in ("transformer_blocks", "single_transformer_blocks"):
         for block in getattr(transformer, name, []):
             block.compile(backend=backend)
