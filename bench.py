@@ -387,8 +387,9 @@ def comparison(costs: dict[str, dict[float, list]], same_lr: float) -> str:
 
 def cost_cells(cs: list) -> list[str]:
     hit = [c for c in cs if c is not None]
-    return [f"{len(hit)} of {len(cs)}", *(f"{np.median([c[k] for c in hit]):.0f}" if hit else "-"
-                                           for k in ("iterations", "nfe", "seconds"))]
+    medians = [np.median([c[k] for c in hit]) if hit else None for k in ("iterations", "nfe", "seconds")]
+    # Seconds to one decimal: the toy's V-GRPO runs reach success in under a second.
+    return [f"{len(hit)} of {len(cs)}", *("-" if m is None else f"{m:.{digits}f}" for m, digits in zip(medians, (0, 0, 1)))]
 
 
 MDP_TOY_LRS = (1e-3, 3e-3, 1e-2)
@@ -611,8 +612,8 @@ def sd3_stability_report(runs: dict, out: Path, *, seeds, iterations: dict, eval
     text = (f"Tiny SD3 fitted to toy images (the README's setting, {fit_steps} fitting steps), color reward, 8 prompts x 8 "
             f"samples per iteration, AdamW, LoRA r 32 alpha 64 (train.py's), seeds {seeds[0]}-{seeds[-1]}, each learning "
             f"rate as named. V-GRPO: train.py's tiny preset (8 Euler ODE steps, K = 8, 2 gradient steps per batch, ratio "
-            f"clip 0.01, x-space KL 0.3), {iterations['V-GRPO']} iterations. {MDP}: flow_grpo_sd3 with Flow-GRPO's "
-            f"published settings (10 SDE steps of noise level 0.7, 9 trained, ratio clip 1e-4, advantages per prompt "
+            f"clip 0.01, x-space KL {train.PRESETS['tiny']['kl_coef']:g}), {iterations['V-GRPO']} iterations. {MDP}: "
+            f"flow_grpo_sd3 with Flow-GRPO's published settings (10 SDE steps of noise level 0.7, 9 trained, ratio clip 1e-4, advantages per prompt "
             f"over the batch's std, clipped at 5, KL 0.04 to the LoRA switched off, two optimizer steps per batch, "
             f"weight decay 1e-4), {iterations[MDP]} iterations. All evaluated by train.evaluate every {eval_every} "
             "iterations on 32 prompts x 4 fixed noises with the 8-step Euler ODE. NFE = forward + backward model "
@@ -1221,6 +1222,7 @@ def main() -> None:
             print(f"## {title}: skipped, no CUDA device (results.md keeps an earlier run's figures)")
             continue
         start = time.perf_counter()
+        data = {key: value for key, value in data.items() if not key.startswith(f"{number}. ")}  # a renamed section
         text, data[title] = job()
         report[number] = (f"## {title}\n\n{text}\n\n({time.perf_counter() - start:.0f} s; {time.strftime('%Y-%m-%d')}, "
                           f"{machine}, torch {torch.__version__})")
