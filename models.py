@@ -28,6 +28,7 @@ import torch
 
 import rewards
 import runs
+import vgrpo
 
 PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwenimage",
                      "Flux2KleinPipeline": "flux2"}
@@ -84,13 +85,31 @@ class FlowAdapter:
     def timesteps(self) -> torch.Tensor:
         """The scheduler as the pipeline sets it (shift, dynamic shifting, terminal settings), on a copy."""
         if self._grid is None:
-            scheduler = copy.deepcopy(self.pipe.scheduler)
-            scheduler.set_timesteps(self.sampling_steps, device="cpu", **self.schedule_kwargs())
-            self._grid = scheduler.sigmas.float()
+            self._grid = self.scheduler().sigmas.float()
         return self._grid
 
     def schedule_kwargs(self) -> dict:
         return {}
+
+    def scheduler(self, device="cpu"):
+        """A copy of the pipeline's scheduler, set as its __call__ sets it (steps, shift, mu), at the first step."""
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        scheduler.set_timesteps(self.sampling_steps, device=device, **self.schedule_kwargs())
+        scheduler.set_begin_index(0)
+        return scheduler
+
+    def sample(self, velocity, noise: torch.Tensor, cond: dict, solver: str) -> torch.Tensor:
+        """A rollout noise -> x0 (B, ...). solver "scheduler" steps a copy of the pipeline's own scheduler exactly as
+        its __call__ does (UniPC, DPM-Solver++, Euler: whatever the checkpoint ships), so rollouts equal `pipe()`
+        with any one-evaluation-per-step scheduler; the others integrate vgrpo.sample_ode on the pipeline's grid."""
+        if solver != "scheduler":
+            return vgrpo.sample_ode(velocity, noise, cond, self.timesteps(), solver=solver)
+        scheduler = self.scheduler(noise.device)
+        z, scale = noise.float(), scheduler.config.num_train_timesteps
+        for t in scheduler.timesteps:  # the model's timestep t is sigma * scale (UniPC rounds it to an integer)
+            v = velocity(z, (t.float() / scale).expand(len(z)), cond)
+            z = scheduler.step(v, t, z, return_dict=False)[0].float()
+        return z
 
     def text_tokens(self) -> int:
         return self.max_sequence_length
@@ -1280,9 +1299,14 @@ def model_index(model: str) -> dict:
     return index
 
 
-def check_sampling_grid(model: FlowAdapter) -> None:
+def check_sampling_grid(model: FlowAdapter, solver: str = "euler") -> None:
     """A scheduler configuration whose sigma grid is not finite (shift 0, say) would make every rollout NaN, which
-    would read as a diverged run."""
+    would read as a diverged run. Solver "scheduler" counts one model evaluation per timestep: a scheduler of
+    order 2 (FlowMatchHeun) repeats timesteps, which would miscount the rollout cost."""
+    if solver == "scheduler" and model.pipe.scheduler.order != 1:
+        raise runs.ConfigError(f"--solver scheduler steps schedulers that evaluate the model once per step; this model's "
+                               f"{type(model.pipe.scheduler).__name__} is of order {model.pipe.scheduler.order}: use "
+                               "--solver heun (Heun's method on the pipeline's sigma grid)")
     grid = model.timesteps()
     if not torch.isfinite(grid).all():
         raise runs.ConfigError(f"{model.pipeline_class}'s scheduler gives a sigma grid that is not finite for --sampling_steps "

@@ -1664,6 +1664,33 @@ def test_adapters_reproduce_the_diffusers_pipeline(family):
     assert_rollouts_equal_the_plain_pipeline_call(models.tiny_pipeline(family, seed=0), family, resolution=32, steps=5)
 
 
+def test_scheduler_solver_steps_the_pipelines_own_scheduler_as_its_call_does():
+    """--solver scheduler == `pipe()` with the scheduler the checkpoint ships: UniPC with flow sigmas (the Wan
+    checkpoints') swapped into tiny SD3, where Euler on the same sigma grid is a different sampler; and with the
+    default FlowMatchEuler it is the euler solver. A second-order scheduler is refused before any rollout."""
+    from diffusers import FlowMatchHeunDiscreteScheduler, UniPCMultistepScheduler
+
+    pipe = models.tiny_pipeline("sd3", seed=0)
+    prompts = ["a red car", "a photo of the blue flower"]
+    model = adapter_for(pipe, "sd3", sampling_steps=6)
+    noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
+    call = partial(pipe, prompt=prompts, height=32, width=32, num_inference_steps=6, latents=noise, guidance_scale=1.0,
+                   max_sequence_length=8, output_type="latent")
+    cond = model.encode(prompts)
+    with torch.no_grad():
+        euler = model.sample(model.velocity, noise, cond, "euler")
+        torch.testing.assert_close(model.sample(model.velocity, noise, cond, "scheduler"), euler, rtol=1e-5, atol=1e-5)
+        pipe.scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+        model = adapter_for(pipe, "sd3", sampling_steps=6)
+        unipc = model.sample(model.velocity, noise, cond, "scheduler")
+        torch.testing.assert_close(unipc, call().images, rtol=1e-5, atol=1e-5)
+        assert (model.sample(model.velocity, noise, cond, "euler") - unipc).abs().max() > 1e-2  # the test can tell
+    models.check_sampling_grid(model, "scheduler")
+    pipe.scheduler = FlowMatchHeunDiscreteScheduler(shift=3.0)
+    with pytest.raises(runs.ConfigError, match="order 2: use --solver heun"):
+        models.check_sampling_grid(adapter_for(pipe, "sd3"), "scheduler")
+
+
 def test_train_sd3_lora_from_a_saved_pipeline_writes_metrics_checkpoint_and_samples(sd3_run):
     metrics = read_metrics(sd3_run)
     assert [m["iteration"] for m in metrics] == [0, 1]

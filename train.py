@@ -27,7 +27,8 @@ the advantages, which are computed for the global batch on every rank (global st
 
 Choices beyond vgrpo.py's: rollouts integrate the ODE with vgrpo.sample_ode on the sigma grid the
 pipeline's own __call__ uses (its scheduler, shift and resolution-dependent mu), so solver "euler" is
-exactly `pipe(prompt, num_inference_steps=N)` from the same noise. Trainable weights are float32 master
+exactly `pipe(prompt, num_inference_steps=N)` from the same noise where the pipeline ships an Euler scheduler;
+solver "scheduler" steps a copy of whatever scheduler it ships (Wan's UniPC) and equals `pipe()` there. Trainable weights are float32 master
 weights whatever --dtype the compute runs in. The transformer stays in eval mode (no dropout), so the
 old-policy pass and the first gradient pass agree exactly.
 """
@@ -92,7 +93,8 @@ class Config:
     reward_aggregation: str = arg("advantage", "advantage: sum of per-reward advantages (MixGRPO) | reward: advantage of the weighted sum")
     # --- rollouts
     sampling_steps: int = arg(8, "ODE steps per rollout")
-    solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step)")
+    solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step) | scheduler (the "
+                                 "pipeline's own scheduler, e.g. Wan's UniPC, stepped as pipe() does)")
     cfg_scale: float = arg(1.0, "classifier-free guidance for rollouts only, combined as the model's pipeline does (SD3, "
                                 "Qwen-Image: true CFG with norm rescale, FLUX.2 [klein] base); 1 = off, as in the paper")
     flux_guidance: float = arg(3.5, "FLUX.1-dev distilled-guidance embedding value (unused by models without one, e.g. schnell)")
@@ -284,7 +286,7 @@ def validate_numbers(cfg: Config) -> None:
 
 def validate(cfg: Config, world_size: int) -> str:
     """Checks everything that can be checked without loading a model. Returns the model family."""
-    choices = dict(solver=("euler", "heun", "ab2"), param=vgrpo.PARAMETERISATIONS, tracker=("none", "tensorboard", "wandb"),
+    choices = dict(solver=("euler", "heun", "ab2", "scheduler"), param=vgrpo.PARAMETERISATIONS, tracker=("none", "tensorboard", "wandb"),
                    reward_aggregation=("advantage", "reward"), dtype=("auto", "bfloat16", "float32"),
                    compile=("none", "inductor", "aot_eager"))
     for name, allowed in choices.items():
@@ -562,8 +564,7 @@ def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prom
         for start in tqdm(chunks, desc=progress, disable=None if progress else True, leave=False, dynamic_ncols=True):
             rows = slice(start, start + cfg.rollout_batch_size)
             with gathered_once(model.transformer) if cfg.rollout_gather_once else contextlib.nullcontext():
-                x = vgrpo.sample_ode(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, model.timesteps(),
-                                     solver=cfg.solver)
+                x = model.sample(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, cfg.solver)
             # x is ready where the sampling stream is now, not where it will be when the scorer starts
             ready = torch.cuda.current_stream(x.device).record_event() if side else None
             scored.append(scorer.submit(decode_and_score, model, reward_fns, x, prompts[rows], side, ready))
@@ -636,7 +637,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     monitor_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {}))
                    for name in (rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {})}
     model = load_pipeline(cfg, family, device, dtype, sharded=world > 1)
-    models.check_sampling_grid(model)
+    models.check_sampling_grid(model, cfg.solver)
     transformer = model.transformer
     # The reference KL's base model under full fine-tuning: a frozen copy, taken before training casts the weights.
     frozen_base = copy.deepcopy(transformer) if cfg.ref_kl_coef > 0 and not cfg.lora_rank else None
