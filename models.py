@@ -440,6 +440,74 @@ class Flux2(PackedLatents):
         return vae.bn.running_mean.view(1, -1, 1, 1).to(like), std.view(1, -1, 1, 1).to(like)
 
 
+class Wan(FlowAdapter):
+    """WanPipeline (Wan2.1 T2V, Wan2.2 TI2V-5B with one transformer): latents (B, C, 1 + (F-1)/4, H/8, W/8) on the
+    VAE's grid, standardised per channel; UMT5 embeddings zero-padded past each prompt; timestep in [0, 1000], one
+    per latent token where the pipeline sets expand_timesteps (Wan2.2-TI2V-5B). The published checkpoints ship a
+    UniPC scheduler, so rollouts that equal `pipe()` use --solver scheduler; decode gives videos (B, F, 3, H, W).
+    Not yet in ADAPTERS: train.py trains it once --num_frames and the video rewards land (issue 26)."""
+
+    pipeline_class = "WanPipeline"
+    block_lists = ("blocks",)
+
+    def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, num_frames: int = 81, **settings):
+        if pipe.transformer_2 is not None:
+            raise ValueError("Wan2.2-A14B's two experts (switched at a boundary timestep) are not supported; use "
+                             "Wan2.1-T2V or Wan2.2-TI2V-5B (one transformer)")
+        super().__init__(pipe, dtype, **settings)
+        self.num_frames = num_frames
+
+    @torch.no_grad()
+    def encode(self, texts: list[str]) -> dict:
+        embeds, _ = self.pipe.encode_prompt(texts, do_classifier_free_guidance=False, device=self.pipe.text_encoder.device,
+                                            max_sequence_length=self.max_sequence_length)
+        return {"embeds": embeds.float()}
+
+    def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
+        timestep = t * 1000
+        if self.pipe.config.expand_timesteps:  # WanPipeline: one timestep per token, (B, F' * H'/2 * W'/2)
+            timestep = timestep[:, None].expand(-1, z[0, 0, :, ::2, ::2].numel())
+        with autocast(z.device, self.dtype):
+            return self.transformer(hidden_states=z, timestep=timestep, encoder_hidden_states=cond["embeds"],
+                                    return_dict=False)[0].float()
+
+    def latent_shape(self) -> tuple[int, ...]:
+        vae, size = self.pipe.vae, self.resolution // self.pipe.vae_scale_factor_spatial
+        return vae.config.z_dim, 1 + (self.num_frames - 1) // self.pipe.vae_scale_factor_temporal, size, size
+
+    def cond_like(self, batch: int, device="cpu") -> dict:
+        return {"embeds": torch.zeros(batch, self.text_tokens(), self.transformer.config.text_dim, device=device)}
+
+    @staticmethod
+    def reduced_depth(config) -> dict:
+        return {"num_layers": 2}  # one block type; the first (which saves less with LoRA) and a later one
+
+    @staticmethod
+    def vae_scale(vae) -> int:
+        return vae.config.scale_factor_spatial
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latents)
+        return (latents - mean) / std
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latents)
+        return latents * std + mean
+
+    def _stats(self, like: torch.Tensor):
+        config = self.pipe.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        return (torch.tensor(config.latents_mean).view(shape).to(like),
+                torch.tensor(config.latents_std).view(shape).to(like))
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, C, F', h, w) -> videos (B, F, 3, H, W) in [0, 1], as WanPipeline's postprocess_video gives them."""
+        vae = self.pipe.vae
+        video = vae.decode(self.denormalize(x).to(vae.dtype), return_dict=False)[0].float()
+        return (video / 2 + 0.5).clamp(0, 1).transpose(1, 2)
+
+
 ADAPTERS = {"sd3": SD3, "flux": Flux, "qwenimage": QwenImage, "flux2": Flux2}
 
 
@@ -574,6 +642,32 @@ def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0, progress: bool
                              t5_tok=t5_tok)
     if fit_steps:
         fit_tiny_pipeline(pipe, ADAPTERS[family], steps=fit_steps, seed=seed, progress=progress)
+    return pipe
+
+
+def tiny_wan_pipeline(seed: int = 0, expand_timesteps: bool = False):
+    """A WanPipeline at toy sizes: 32 px, frames 1 + 2n -> latents (4, 1 + n, 8, 8); UMT5 with the tiny T5
+    tokenizer; the Wan checkpoints' UniPC scheduler (flow prediction, flow sigmas, flow_shift 3 as at 480p)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_t5_tokenizer()
+    umt5 = UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
+                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0)
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True],
+                           latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
+                           scale_factor_spatial=4, scale_factor_temporal=2)
+    # attention_head_dim 12: Wan's 3-axis RoPE splits a head into frames 4, height 4, width 4
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                        in_channels=4, out_channels=4, text_dim=32, freq_dim=16, ffn_dim=32,
+                                        num_layers=2, rope_max_seq_len=32)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=UMT5EncoderModel(umt5), vae=vae, scheduler=scheduler,
+                       transformer=transformer, expand_timesteps=expand_timesteps)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
     return pipe
 
 

@@ -1691,6 +1691,38 @@ def test_scheduler_solver_steps_the_pipelines_own_scheduler_as_its_call_does():
         models.check_sampling_grid(adapter_for(pipe, "sd3"), "scheduler")
 
 
+@pytest.mark.parametrize("expand_timesteps", [False, True], ids=["wan2.1", "wan2.2-ti2v"])
+def test_wan_rollouts_equal_the_plain_pipeline_call_with_its_unipc_scheduler_and_cfg(expand_timesteps):
+    """Wan rollouts (UMT5 encoding, CFG 4 against the pipeline's default negative "", --solver scheduler on the
+    checkpoints' UniPC) and decoding == `pipe(prompt, num_frames=5, num_inference_steps=4, latents=noise)`, and the
+    transformer receives the timestep in the pipeline's form: (B,), or one per latent token under expand_timesteps."""
+    pipe = models.tiny_wan_pipeline(seed=0, expand_timesteps=expand_timesteps)
+    model = models.Wan(pipe, resolution=32, sampling_steps=4, max_sequence_length=16, num_frames=5)
+    prompts = ["a red square moving left", "a photo of the blue square moving up"]
+    noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
+    assert noise.shape == (2, 4, 3, 8, 8)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["timestep"]), with_kwargs=True)
+    call = partial(pipe, prompt=prompts, height=32, width=32, num_frames=5, num_inference_steps=4, latents=noise,
+                   guidance_scale=4.0, max_sequence_length=16)
+    with torch.no_grad():
+        velocity = model.guided(model.velocity, model.encode([model.negative_prompt]), 4.0)
+        x0 = model.sample(velocity, noise, model.encode(prompts), "scheduler")
+    ours, seen[:] = seen[:], []
+    torch.testing.assert_close(x0, call(output_type="latent").frames, rtol=1e-5, atol=1e-5)
+    theirs = seen[::2]  # the pipeline's conditional pass of each step (ours: one batched CFG pass)
+    assert [t.shape for t in ours] == [(4, *t.shape[1:]) for t in theirs] and len(ours) == 4
+    assert theirs[0].shape == ((2, 3 * 4 * 4) if expand_timesteps else (2,))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a[:2].float(), b.float(), rtol=0, atol=1e-3)  # ours t * 1000 in float32
+    video = model.decode(x0)
+    assert video.shape == (2, 5, 3, 32, 32)
+    torch.testing.assert_close(video, call(output_type="pt").frames, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="A14B"):
+        pipe.transformer_2 = pipe.transformer
+        models.Wan(pipe, resolution=32, sampling_steps=4, max_sequence_length=16)
+
+
 def test_train_sd3_lora_from_a_saved_pipeline_writes_metrics_checkpoint_and_samples(sd3_run):
     metrics = read_metrics(sd3_run)
     assert [m["iteration"] for m in metrics] == [0, 1]
