@@ -286,7 +286,25 @@ class Flux(PackedLatents):
         return {"sigmas": sigmas, "mu": self.mu()}
 
 
-class QwenImage(PackedLatents):
+class ChannelStandardised:
+    """VAE latents standardised per channel by the VAE config's latents_mean / latents_std (Qwen-Image's and Wan's
+    VAEs), images (B, C, H, W) and videos (B, C, F, H, W) alike."""
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latents)
+        return (latents - mean) / std
+
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        mean, std = self._stats(latents)
+        return latents * std + mean
+
+    def _stats(self, like: torch.Tensor):
+        config = self.pipe.vae.config
+        shape = (1, config.z_dim) + (1,) * (like.dim() - 2)
+        return (torch.tensor(config.latents_mean).view(shape).to(like), torch.tensor(config.latents_std).view(shape).to(like))
+
+
+class QwenImage(ChannelStandardised, PackedLatents):
     """QwenImagePipeline (Qwen-Image): the last hidden states of Qwen2.5-VL over the prompt in Qwen-Image's system
     template (template tokens dropped; prompts of one batch padded to the longest, with a mask), latents packed in 2x2
     patches as FLUX.1's (B, H/16 * W/16, 4C) from a video VAE (one frame) normalised per channel; timestep in [0, 1];
@@ -347,18 +365,6 @@ class QwenImage(PackedLatents):
         n = self.sampling_steps
         return {"sigmas": np.linspace(1.0, 1 / n, n), "mu": self.mu()}
 
-    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(latents)
-        return (latents - mean) / std
-
-    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(latents)
-        return latents * std + mean
-
-    def _stats(self, like: torch.Tensor):
-        config = self.pipe.vae.config
-        shape = (1, config.z_dim, 1, 1)
-        return (torch.tensor(config.latents_mean).view(shape).to(like), torch.tensor(config.latents_std).view(shape).to(like))
 
 
 class Flux2(PackedLatents):
@@ -440,7 +446,7 @@ class Flux2(PackedLatents):
         return vae.bn.running_mean.view(1, -1, 1, 1).to(like), std.view(1, -1, 1, 1).to(like)
 
 
-class Wan(FlowAdapter):
+class Wan(ChannelStandardised, FlowAdapter):
     """WanPipeline (Wan2.1 T2V, Wan2.2 TI2V-5B with one transformer): latents (B, C, 1 + (F-1)/4, H/8, W/8) on the
     VAE's grid, standardised per channel; UMT5 embeddings zero-padded past each prompt; timestep in [0, 1000], one
     per latent token where the pipeline sets expand_timesteps (Wan2.2-TI2V-5B). The published checkpoints ship a
@@ -485,20 +491,6 @@ class Wan(FlowAdapter):
     @staticmethod
     def vae_scale(vae) -> int:
         return vae.config.scale_factor_spatial
-
-    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(latents)
-        return (latents - mean) / std
-
-    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
-        mean, std = self._stats(latents)
-        return latents * std + mean
-
-    def _stats(self, like: torch.Tensor):
-        config = self.pipe.vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        return (torch.tensor(config.latents_mean).view(shape).to(like),
-                torch.tensor(config.latents_std).view(shape).to(like))
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
