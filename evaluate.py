@@ -208,9 +208,8 @@ def evaluate(argv: list[str] | None = None) -> dict:
     say = print if rank == 0 else (lambda *a, **k: None)
     family = train.validate(cfg, 1)
     spec, listed = evaluation_prompts(args, cfg, say)
-    options = json.loads(cfg.reward_options)
     names = rewards.parse_reward_spec(cfg.rewards)
-    reward_fns = {n: rewards.load_reward(n, device=device, **options.get(n, {})) for n in names}
+    reward_fns = train.load_rewards(cfg, names, family, device)
     rows = (["base"] if args.base else []) + [f"run:{p}" for p in filter(None, args.runs.split(","))] + \
         [f"lora:{p}" for p in filter(None, args.loras.split(","))]
     out = Path(args.out or f"eval/{spec.replace(':', '-').replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -237,9 +236,9 @@ def evaluate(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps({"settings": settings, "rows": records}, indent=1))
         (out / "table.md").write_text(table + "\n")
-        runs.save_samples(torch.cat(grid), captions, None, out / "grid.png", columns=min(GRID_PROMPTS, len(listed)))
+        grid_file = runs.save_samples(torch.cat(grid), captions, None, out / "grid.png", columns=min(GRID_PROMPTS, len(listed)))
         say(table)
-        say(f"written: {out}/table.md, {out}/eval.json, {out}/grid.png")
+        say(f"written: {out}/table.md, {out}/eval.json, {grid_file}")
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

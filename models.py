@@ -31,7 +31,7 @@ import runs
 import vgrpo
 
 PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "QwenImagePipeline": "qwenimage",
-                     "Flux2KleinPipeline": "flux2"}
+                     "Flux2KleinPipeline": "flux2", "WanPipeline": "wan"}
 
 
 def autocast(device: torch.device, dtype: torch.dtype):
@@ -57,8 +57,8 @@ class FlowAdapter:
       PackedLatents families); to_vae_latents / from_vae_latents map it to and from the VAE's grid.
     - timesteps() -> (sampling_steps + 1,) sigma grid from 1 to 0: exactly the grid the pipeline's own
       __call__ uses at this resolution and step count, so Euler rollouts equal `pipe(...)`.
-    - decode(x) -> images (B, 3, H, W) in [0, 1]; encode_images(images) -> x, its inverse through the VAE's
-      encoder (fits the tiny models).
+    - decode(x) -> images (B, 3, H, W) in [0, 1], or videos (B, F, 3, H, W) where the class sets `video`;
+      encode_images(images) -> x, its inverse through the VAE's encoder (fits the tiny models).
     - guided(velocity, uncond, scale) -> the rollout velocity under classifier-free guidance exactly as the pipeline
       combines the two predictions; uncond = encode([negative_prompt]), the negative the pipeline's docs use.
     For the memory plan (no weights needed): text_tokens() (the length of cond["embeds"]), cond_like(), and
@@ -72,13 +72,20 @@ class FlowAdapter:
     block_lists = ("transformer_blocks",)  # the transformer's ModuleLists of blocks: FSDP units, planned per block
     negative_prompt = ""
     vae_frames = False  # the VAE takes video-shaped (B, C, frames, H, W) input (Qwen-Image's)
+    video = False  # samples are videos of num_frames frames (B, F, 3, H, W); the rewards then score videos
+    default_frames = 1  # --num_frames 0 means this
+    frame_stride = 1
     min_sampling_steps = 1  # fewer and the pipeline's own sigma grid is undefined
     text_token_limit = None  # the most max_sequence_length the pipeline's check_inputs accepts (None: no limit)
+    # --lora_targets auto: the attention projections of both streams (the text stream's add_* in joint attention)
+    lora_targets = "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"
 
     def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, resolution: int, sampling_steps: int,
-                 max_sequence_length: int, guidance: float = 3.5):
+                 max_sequence_length: int, guidance: float = 3.5, num_frames: int = 1, width: int = 0):
         self.pipe, self.transformer, self.dtype = pipe, pipe.transformer, dtype
-        self.resolution, self.sampling_steps = resolution, sampling_steps
+        # resolution is the height; width 0 = square (the image families are square)
+        self.resolution, self.width, self.sampling_steps = resolution, width or resolution, sampling_steps
+        self.num_frames = num_frames
         self.max_sequence_length, self.guidance = max_sequence_length, guidance
         self._grid = None
 
@@ -166,12 +173,16 @@ class FlowAdapter:
         images = vae.decode(latents, return_dict=False)[0].float()
         return ((images[:, :, 0] if self.vae_frames else images) / 2 + 0.5).clamp(0, 1)
 
+    @classmethod
+    def to_vae_pixels(cls, images: torch.Tensor) -> torch.Tensor:
+        """images (B, 3, H, W) in [0, 1] -> the VAE's input in [-1, 1] ((B, 3, 1, H, W) for a video VAE)."""
+        return (images * 2 - 1).unsqueeze(2) if cls.vae_frames else images * 2 - 1
+
     @torch.no_grad()
     def encode_images(self, images: torch.Tensor) -> torch.Tensor:
-        """images (B, 3, H, W) in [0, 1] -> x: the posterior mode, normalised and packed as the transformer sees it."""
+        """images (or videos) in [0, 1] -> x: the posterior mode, normalised and packed as the transformer sees it."""
         vae = self.pipe.vae
-        pixels = (images * 2 - 1).to(vae.dtype)
-        latents = vae.encode(pixels.unsqueeze(2) if self.vae_frames else pixels).latent_dist.mode().float()
+        latents = vae.encode(self.to_vae_pixels(images).to(vae.dtype)).latent_dist.mode().float()
         return self.from_vae_latents(self.normalize(latents[:, :, 0] if self.vae_frames else latents))
 
     def guided(self, velocity, uncond: dict, scale: float):
@@ -451,17 +462,26 @@ class Wan(ChannelStandardised, FlowAdapter):
     VAE's grid, standardised per channel; UMT5 embeddings zero-padded past each prompt; timestep in [0, 1000], one
     per latent token where the pipeline sets expand_timesteps (Wan2.2-TI2V-5B). The published checkpoints ship a
     UniPC scheduler, so rollouts that equal `pipe()` use --solver scheduler; decode gives videos (B, F, 3, H, W).
-    Not yet in ADAPTERS: train.py trains it once --num_frames and the video rewards land (issue 26)."""
+    Wan2.2-A14B (two experts switched at a boundary timestep: which one a surrogate timestep trains, and whether the
+    other is frozen, would change the method) is refused."""
 
     pipeline_class = "WanPipeline"
     block_lists = ("blocks",)
+    lora_targets = "to_q,to_k,to_v,to_out.0"  # self-attention (attn1) and cross-attention to the text (attn2)
+    video = True
+    default_frames = 81  # WanPipeline's default num_frames
+    frame_stride = 4  # the Wan VAEs' temporal compression: num_frames = 1 + a multiple of it
 
-    def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, num_frames: int = 81, **settings):
-        if pipe.transformer_2 is not None:
-            raise ValueError("Wan2.2-A14B's two experts (switched at a boundary timestep) are not supported; use "
-                             "Wan2.1-T2V or Wan2.2-TI2V-5B (one transformer)")
+    def __init__(self, pipe, dtype: torch.dtype = torch.float32, **settings):
+        if getattr(pipe, "transformer_2", None) is not None:
+            raise runs.ConfigError("Wan2.2-A14B's two experts (switched at a boundary timestep) are not supported; use "
+                                   "Wan2.1-T2V or Wan2.2-TI2V-5B (one transformer)")
         super().__init__(pipe, dtype, **settings)
-        self.num_frames = num_frames
+
+    @staticmethod
+    def to_vae_pixels(videos: torch.Tensor) -> torch.Tensor:
+        """videos (B, F, 3, H, W) in [0, 1] -> (B, 3, F, H, W) in [-1, 1]."""
+        return videos.transpose(1, 2) * 2 - 1
 
     @torch.no_grad()
     def encode(self, texts: list[str]) -> dict:
@@ -471,15 +491,16 @@ class Wan(ChannelStandardised, FlowAdapter):
 
     def velocity(self, z: torch.Tensor, t: torch.Tensor, cond: dict) -> torch.Tensor:
         timestep = t * 1000
-        if self.pipe.config.expand_timesteps:  # WanPipeline: one timestep per token, (B, F' * H'/2 * W'/2)
+        if getattr(self.pipe.config, "expand_timesteps", False):  # WanPipeline: one per token, (B, F' * H'/2 * W'/2)
             timestep = timestep[:, None].expand(-1, z[0, 0, :, ::2, ::2].numel())
         with autocast(z.device, self.dtype):
             return self.transformer(hidden_states=z, timestep=timestep, encoder_hidden_states=cond["embeds"],
                                     return_dict=False)[0].float()
 
     def latent_shape(self) -> tuple[int, ...]:
-        vae, size = self.pipe.vae, self.resolution // self.pipe.vae_scale_factor_spatial
-        return vae.config.z_dim, 1 + (self.num_frames - 1) // self.pipe.vae_scale_factor_temporal, size, size
+        vae = self.pipe.vae.config  # WanPipeline's vae_scale_factor_spatial / _temporal are these
+        frames = 1 + (self.num_frames - 1) // vae.scale_factor_temporal
+        return vae.z_dim, frames, self.resolution // vae.scale_factor_spatial, self.width // vae.scale_factor_spatial
 
     def cond_like(self, batch: int, device="cpu") -> dict:
         return {"embeds": torch.zeros(batch, self.text_tokens(), self.transformer.config.text_dim, device=device)}
@@ -500,16 +521,19 @@ class Wan(ChannelStandardised, FlowAdapter):
         return (video / 2 + 0.5).clamp(0, 1).transpose(1, 2)
 
 
-ADAPTERS = {"sd3": SD3, "flux": Flux, "qwenimage": QwenImage, "flux2": Flux2}
+ADAPTERS = {"sd3": SD3, "flux": Flux, "qwenimage": QwenImage, "flux2": Flux2, "wan": Wan}
 
 
 # ----------------------------------------------------------------------------------------------
 # Tiny offline models: the real diffusers / transformers classes at toy sizes, random weights,
 # tokenizers built in memory. Used by the default run and by the tests.
 
-TINY_MODELS = {"tiny": "sd3", "tiny-flux": "flux", "tiny-qwenimage": "qwenimage", "tiny-flux2": "flux2"}
+TINY_MODELS = {"tiny": "sd3", "tiny-flux": "flux", "tiny-qwenimage": "qwenimage", "tiny-flux2": "flux2", "tiny-wan": "wan"}
 TINY_PROMPTS = [f"a {color} {thing}" for color in rewards.COLORS for thing in ("square", "circle", "car", "flower")]
+TINY_VIDEO_PROMPTS = [f"a {color} square moving {way}" for color in rewards.COLORS for way in rewards.DIRECTIONS]
+TINY_FRAMES = 5  # tiny-wan's default --num_frames: 2 latent frames (the first frame, then 4 per latent frame)
 _TINY_WORDS = sorted({w for p in TINY_PROMPTS for w in p.split()} | {"photo", "of", "the"})
+_TINY_VIDEO_WORDS = sorted(set(_TINY_WORDS) | {w for p in TINY_VIDEO_PROMPTS for w in p.split()})
 
 
 def tiny_clip_tokenizer():
@@ -532,13 +556,13 @@ def tiny_clip_tokenizer():
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=16)  # SD3 pads CLIP prompts to this length
 
 
-def tiny_t5_tokenizer():
+def tiny_t5_tokenizer(words: list[str] = _TINY_WORDS):
     """A unigram T5 tokenizer: the tiny prompts' words as single pieces, letters as fallback."""
     from transformers import T5Tokenizer
 
     letters = "abcdefghijklmnopqrstuvwxyz"
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    pieces += [(c, -3.0) for c in letters] + [("▁" + c, -3.0) for c in letters] + [("▁" + w, -1.0) for w in _TINY_WORDS]
+    pieces += [(c, -3.0) for c in letters] + [("▁" + c, -3.0) for c in letters] + [("▁" + w, -1.0) for w in words]
     return T5Tokenizer(vocab=pieces, extra_ids=0)
 
 
@@ -603,6 +627,11 @@ def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0, progress: bool
     from transformers import CLIPTextConfig, T5Config
 
     torch.manual_seed(seed)
+    if family == "wan":
+        pipe = tiny_wan_pipeline(seed)
+        if fit_steps:
+            fit_tiny_pipeline(pipe, Wan, steps=fit_steps, seed=seed, progress=progress)
+        return pipe
     if family in ("qwenimage", "flux2"):
         pipe = tiny_qwen_pipeline(family)
         if fit_steps:
@@ -638,18 +667,19 @@ def tiny_pipeline(family: str, seed: int = 0, fit_steps: int = 0, progress: bool
 
 
 def tiny_wan_pipeline(seed: int = 0, expand_timesteps: bool = False):
-    """A WanPipeline at toy sizes: 32 px, frames 1 + 2n -> latents (4, 1 + n, 8, 8); UMT5 with the tiny T5
-    tokenizer; the Wan checkpoints' UniPC scheduler (flow prediction, flow sigmas, flow_shift 3 as at 480p)."""
+    """A WanPipeline at toy sizes: 32 px, frames 1 + 4n -> latents (4, 1 + n, 8, 8) (the real VAE's x4 in time, x4
+    in space here instead of x8); UMT5 with the tiny T5 tokenizer; the Wan checkpoints' UniPC scheduler (flow
+    prediction, flow sigmas, flow_shift 3 as at 480p)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     torch.manual_seed(seed)
-    tokenizer = tiny_t5_tokenizer()
+    tokenizer = tiny_t5_tokenizer(_TINY_VIDEO_WORDS)
     umt5 = UMT5Config(vocab_size=len(tokenizer), d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4,
                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0)
-    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True],
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1], num_res_blocks=1, temperal_downsample=[True, True],
                            latents_mean=[0.1, -0.2, 0.05, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
-                           scale_factor_spatial=4, scale_factor_temporal=2)
+                           scale_factor_spatial=4, scale_factor_temporal=4)
     # attention_head_dim 12: Wan's 3-axis RoPE splits a head into frames 4, height 4, width 4
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
                                         in_channels=4, out_channels=4, text_dim=32, freq_dim=16, ffn_dim=32,
@@ -754,6 +784,19 @@ QWEN_LATENTS = ([-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.
 _FLUX2_KLEIN_4B = dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
                        num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
                        axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=False)
+# Wan (the Wan-AI/*-Diffusers configs): transformer, UniPC scheduler (flow_shift 3 as Wan2.1-1.3B ships it, 5 for the
+# 720p models as their cards use), VAE (Wan2.1's: z 16, x8 / x4; Wan2.2's: z 48, x16 with its 2x2 patchify; its 48
+# latent statistics are not reproduced here: 0 and 1), UMT5-XXL.
+_WAN = dict(patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+_WAN_SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+_WAN21_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True])
+_WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                  temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12,
+                  patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48,
+                  latents_std=[1.0] * 48)
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_ff=10240, d_kv=64, num_layers=24, num_heads=64,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32)
 REAL_CONFIGS = {
     "sd3-medium": dict(family="sd3", transformer=_SD3, scheduler=dict(shift=3.0), vae=(1.5305, 0.0609)),
     "sd3.5-medium": dict(family="sd3", transformer={**_SD3, "pos_embed_max_size": 384,
@@ -774,9 +817,19 @@ REAL_CONFIGS = {
     "flux.2-klein-4b": dict(family="flux2", transformer=_FLUX2_KLEIN_4B, scheduler=_FLUX_SCHEDULER,
                             text=dict(vocab=151936, hidden=2560, intermediate=9728, layers=36, heads=32, kv_heads=8,
                                       head_dim=128)),
+    "wan2.1-t2v-1.3b": dict(family="wan", transformer={**_WAN, "num_attention_heads": 12, "ffn_dim": 8960, "num_layers": 30},
+                            scheduler=_WAN_SCHEDULER, vae=_WAN21_VAE, text=UMT5_XXL, pipeline=dict(expand_timesteps=False)),
+    "wan2.1-t2v-14b": dict(family="wan", transformer={**_WAN, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40},
+                           scheduler={**_WAN_SCHEDULER, "flow_shift": 5.0}, vae=_WAN21_VAE, text=UMT5_XXL,
+                           pipeline=dict(expand_timesteps=False)),
+    "wan2.2-ti2v-5b": dict(family="wan", transformer={**_WAN, "num_attention_heads": 24, "ffn_dim": 14336, "num_layers": 30,
+                                                      "in_channels": 48, "out_channels": 48},
+                           scheduler={**_WAN_SCHEDULER, "flow_shift": 5.0}, vae=_WAN22_VAE, text=UMT5_XXL,
+                           pipeline=dict(expand_timesteps=True)),
 }
 TRANSFORMER_CLASSES = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
-                       "qwenimage": "QwenImageTransformer2DModel", "flux2": "Flux2Transformer2DModel"}
+                       "qwenimage": "QwenImageTransformer2DModel", "flux2": "Flux2Transformer2DModel",
+                       "wan": "WanTransformer3DModel"}
 
 
 def reduced_pipeline(name: str, seed: int = 0):
@@ -870,9 +923,40 @@ def toy_images(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list[s
     return images, [f"a {colors[w]} {'circle' if c else 'square'}" for w, c in zip(words, circle)]
 
 
+def toy_videos(n: int, generator: torch.Generator, frames: int = TINY_FRAMES) -> tuple[torch.Tensor, list[str]]:
+    """n 32 x 32 videos (n, frames, 3, 32, 32) in [0, 1]: a square of one of the 8 colours on grey moving 12 px from
+    the first frame to the last in one of the 4 directions of the motion reward, inside the frame throughout. Captions name the colour
+    (right 3 times in 4) and the direction (right 3 times in 5, else a random one): a generator fitted to them
+    follows the words imperfectly, leaving RL something to fix."""
+    colors, ways = list(rewards.COLORS), list(rewards.DIRECTIONS)
+    true_color, true_way = torch.randint(len(colors), (n,), generator=generator), torch.randint(len(ways), (n,), generator=generator)
+    color = torch.tensor(list(rewards.COLORS.values()))[true_color]
+    step = torch.tensor(list(rewards.DIRECTIONS.values()))[true_way] * (12 // (frames - 1))  # (dx, dy) per frame
+    radius = torch.randint(7, 10, (n,), generator=generator)  # sides of 13 to 17 px
+    # The square starts near the edge it moves away from (within 2 px) and anywhere across the other axis, inside
+    # the frame throughout: r <= centre <= 32 - r on both axes at every frame.
+    low = radius[:, None] - torch.where(step < 0, step * (frames - 1), 0)
+    high = 32 - radius[:, None] - torch.where(step > 0, step * (frames - 1), 0)
+    spread = torch.where(step != 0, torch.minimum(high - low, torch.full_like(low, 2)), high - low)
+    offset = (torch.rand(n, 2, generator=generator) * (spread + 1)).long().clamp(max=spread)
+    start = torch.where(step < 0, high - offset, low + offset)
+    t = torch.arange(frames)
+    centre = start[:, None, :] + t[None, :, None] * step[:, None, :]  # (n, frames, 2) as (x, y)
+    yy, xx = torch.meshgrid(torch.arange(32), torch.arange(32), indexing="ij")
+    inside = ((xx - centre[..., 0, None, None]).abs() < radius[:, None, None, None]) & \
+             ((yy - centre[..., 1, None, None]).abs() < radius[:, None, None, None])
+    mask = inside[:, :, None].float()
+    videos = mask * color[:, None, :, None, None] + (1 - mask) * 0.5
+    said_color = torch.where(torch.rand(n, generator=generator) < 0.75, true_color,
+                             torch.randint(len(colors), (n,), generator=generator))
+    said_way = torch.where(torch.rand(n, generator=generator) < 0.6, true_way,
+                           torch.randint(len(ways), (n,), generator=generator))
+    return videos, [f"a {colors[c]} square moving {ways[w]}" for c, w in zip(said_color, said_way)]
+
+
 def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size: int = 32, progress: bool = False) -> None:
-    """Fit the tiny VAE as an autoencoder of toy_images (steps), then the transformer with the
-    rectified-flow loss on the latents of a fixed set of them (4 * steps): a small pretrained
+    """Fit the tiny VAE as an autoencoder of toy_images (toy_videos for a video family) (steps), then the
+    transformer with the rectified-flow loss on the latents of a fixed set of them (4 * steps): a small pretrained
     generator. Latents and text embeddings are computed once."""
     import torch.nn.functional as F
 
@@ -880,23 +964,26 @@ def fit_tiny_pipeline(pipe, adapter: type, *, steps: int, seed: int, batch_size:
 
     g = torch.Generator().manual_seed(seed)
     vae, transformer = pipe.vae.train().requires_grad_(True), pipe.transformer.train().requires_grad_(True)
-    frames = adapter.vae_frames  # Qwen-Image's VAE codes (B, C, frames, H, W): one frame
+    toy = toy_videos if adapter.video else toy_images
     # One bar for both stages (5 x steps optimizer steps), shown on a terminal only and by one process only.
-    bar = tqdm(total=5 * steps, desc="fitting the tiny model to toy images", disable=None if progress else True,
-               leave=False, dynamic_ncols=True)
+    bar = tqdm(total=5 * steps, desc=f"fitting the tiny model to toy {'videos' if adapter.video else 'images'}",
+               disable=None if progress else True, leave=False, dynamic_ncols=True)
+    # A video VAE learns from short clips (5 frames: its first frame alone and one chunk of 4), a quarter of the
+    # batch: its causal 3-D convolutions cost 0.6 s per step for 16 clips of 9 frames on 2 cores.
+    vae_batch = partial(toy, batch_size // 4, frames=5) if adapter.video else partial(toy, batch_size // 2)
     opt = torch.optim.Adam(vae.parameters(), lr=3e-3)
     for _ in range(steps):
-        x = toy_images(batch_size // 2, g)[0] * 2 - 1
-        posterior = vae.encode(x.unsqueeze(2) if frames else x).latent_dist
-        decoded = vae.decode(posterior.sample(generator=g)).sample
-        loss = F.mse_loss(decoded[:, :, 0] if frames else decoded, x) + 1e-6 * posterior.kl().mean()
+        x = adapter.to_vae_pixels(vae_batch(generator=g)[0])
+        posterior = vae.encode(x).latent_dist
+        loss = F.mse_loss(vae.decode(posterior.sample(generator=g)).sample, x) + 1e-6 * posterior.kl().mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
         bar.update()
     vae.eval().requires_grad_(False)
-    model = adapter(pipe, resolution=32, sampling_steps=1, max_sequence_length=8)
-    images, captions = toy_images(512, g)
+    model = adapter(pipe, resolution=32, sampling_steps=1, max_sequence_length=8,
+                    num_frames=TINY_FRAMES if adapter.video else 1)
+    images, captions = toy(512, g)
     data = model.encode_images(images)
     unique = sorted(set(captions))
     embedded = model.encode(unique)
@@ -925,7 +1012,8 @@ HUB_IDS = {"stabilityai/stable-diffusion-3-medium-diffusers": "sd3-medium",
            "stabilityai/stable-diffusion-3.5-medium": "sd3.5-medium", "stabilityai/stable-diffusion-3.5-large": "sd3.5-large",
            "black-forest-labs/FLUX.1-dev": "flux.1-dev", "black-forest-labs/FLUX.1-schnell": "flux.1-schnell",
            "Qwen/Qwen-Image": "qwen-image", "black-forest-labs/FLUX.2-klein-base-4B": "flux.2-klein-4b",
-           "black-forest-labs/FLUX.2-klein-4B": "flux.2-klein-4b"}
+           "black-forest-labs/FLUX.2-klein-4B": "flux.2-klein-4b", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": "wan2.1-t2v-1.3b",
+           "Wan-AI/Wan2.1-T2V-14B-Diffusers": "wan2.1-t2v-14b", "Wan-AI/Wan2.2-TI2V-5B-Diffusers": "wan2.2-ti2v-5b"}
 DISTILLED_HUB_IDS = {"black-forest-labs/FLUX.2-klein-4B"}  # is_distilled in its model_index.json: no CFG
 # Full-size text encoders and VAE (../shared/REAL-CONFIGS.md: Stability's sd3_infer.py, the published configs).
 FULL_TEXT_ENCODERS = {
@@ -957,6 +1045,14 @@ def meta_components(model: str) -> tuple[str, dict]:
         pipe = tiny_pipeline(TINY_MODELS[model])
         return TINY_MODELS[model], {k: v for k, v in pipe.components.items() if isinstance(v, torch.nn.Module)}
     with torch.device("meta"):
+        if model in HUB_IDS and REAL_CONFIGS[HUB_IDS[model]]["family"] == "wan":
+            from diffusers import AutoencoderKLWan
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            spec = REAL_CONFIGS[HUB_IDS[model]]
+            return "wan", {"transformer": reduced_transformer(HUB_IDS[model], full=True),
+                           "vae": AutoencoderKLWan(**spec["vae"]), "text_encoder": UMT5EncoderModel(UMT5Config(**spec["text"])),
+                           "pipeline_config": spec["pipeline"]}
         if model in HUB_IDS and REAL_CONFIGS[HUB_IDS[model]]["family"] in ("qwenimage", "flux2"):
             from diffusers import AutoencoderKLFlux2, AutoencoderKLQwenImage
 
@@ -987,6 +1083,8 @@ def meta_components(model: str) -> tuple[str, dict]:
                 components[name] = cls.from_config(cls.load_config(folder))
             else:
                 components[name] = cls(transformers.AutoConfig.from_pretrained(folder))
+        # the pipeline's own settings beside its components (Wan2.2-TI2V's expand_timesteps)
+        components["pipeline_config"] = {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
         return PIPELINE_FAMILIES[index["_class_name"]], components
 
 
@@ -1058,8 +1156,23 @@ def blocks_of(transformer, adapter: type) -> list[torch.nn.Module]:
     return [b for name in adapter.block_lists for b in getattr(transformer, name, [])]
 
 
-def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prepare, *, resolution: int,
-                       max_sequence_length: int) -> dict:
+def transformer_blocks(transformer) -> list[torch.nn.Module]:
+    """The blocks of a transformer of any family (the FSDP2 units, the regions compiled)."""
+    names = dict.fromkeys(name for adapter in ADAPTERS.values() for name in adapter.block_lists)
+    return [b for name in names for b in getattr(transformer, name, [])]
+
+
+def planning_pipe(transformer, vae, adapter: type, pipeline_config: dict | None = None):
+    """What an adapter reads of a pipeline, for planning without one: the modules (on the meta device for real
+    models), the pipelines' vae_scale_factor and the pipeline's config (Wan2.2-TI2V's expand_timesteps)."""
+    import types
+
+    return types.SimpleNamespace(transformer=transformer, vae=vae, vae_scale_factor=adapter.vae_scale(vae) if vae else 8,
+                                 config=types.SimpleNamespace(**(pipeline_config or {})))
+
+
+def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prepare, *, settings: dict,
+                       vae=None, pipeline_config: dict | None = None) -> dict:
     """Bytes saved for backward by a training forward of the full-depth transformer, as (fixed, per row) pairs:
     {"other": pair, "blocks": [pair per full-depth block], "inputs": [pair per block: what a checkpointed block
     keeps]}. Measured on the CPU on its real-width twin (adapter.reduced_depth: every block type, the first type
@@ -1068,9 +1181,8 @@ def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prep
     The first block of a stack differs from later blocks of its type: with LoRA the model's first block's input does
     not require grad yet, so it saves less (seen: 8.2 vs 9.4 MB per row); FLUX.2's first single block saves 18 kB
     per row more than the later ones. Part of what is saved does not grow with the batch (autocast's bf16
-    copies of the fp32 LoRA weights), hence the pairs."""
-    import types
-
+    copies of the fp32 LoRA weights), hence the pairs. settings: the adapter's (resolution, max_sequence_length,
+    num_frames, width); vae and pipeline_config where the adapter reads them (Wan)."""
     config = dict(transformer_meta.config)
     # Parameters on the meta device (materialize fills them), everything else real: Qwen-Image keeps its rotary
     # tables as plain tensors computed at construction, which the meta device would leave without data.
@@ -1080,8 +1192,7 @@ def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prep
         twin = type(transformer_meta).from_config({**config, **adapter.reduced_depth(config)})
     twin = materialize(twin, dtype)
     prepare(twin)
-    model = adapter(types.SimpleNamespace(transformer=twin, vae_scale_factor=8), dtype, resolution=resolution,
-                    sampling_steps=1, max_sequence_length=max_sequence_length)
+    model = adapter(planning_pipe(twin, vae, adapter, pipeline_config), dtype, sampling_steps=1, **settings)
     twin_blocks = blocks_of(twin, adapter)
     runs = []
     for rows in (1, 2):
@@ -1205,11 +1316,9 @@ def memory_plan(components: dict, adapter: type, *, dtype: torch.dtype, world: i
     return MemoryPlan([r for r in rows if r[1] or not r[0].startswith(optional)], phases, gpu_gb)
 
 
-def decode_intermediates(components: dict, adapter: type, *, resolution: int, rows: int, dtype: torch.dtype) -> int:
-    """Largest input + output of one VAE decoder layer for `rows` images, traced through the adapter's own decode where
-    the VAE lives (the meta device for real models): what a no-grad decode holds at least at its peak."""
-    import types
-
+def decode_intermediates(components: dict, adapter: type, *, settings: dict, rows: int, dtype: torch.dtype) -> int:
+    """Largest input + output of one VAE decoder layer for `rows` images (videos), traced through the adapter's own
+    decode where the VAE lives (the meta device for real models): what a no-grad decode holds at least at its peak."""
     vae = components["vae"]
     largest = [0]
 
@@ -1217,8 +1326,8 @@ def decode_intermediates(components: dict, adapter: type, *, resolution: int, ro
         size = sum(t.numel() for t in (*args, out) if isinstance(t, torch.Tensor)) * dtype.itemsize
         largest[0] = max(largest[0], size)
 
-    pipe = types.SimpleNamespace(vae=vae, transformer=components["transformer"], vae_scale_factor=adapter.vae_scale(vae))
-    model = adapter(pipe, resolution=resolution, sampling_steps=1, max_sequence_length=1)
+    pipe = planning_pipe(components["transformer"], vae, adapter, components.get("pipeline_config"))
+    model = adapter(pipe, sampling_steps=1, **{**settings, "max_sequence_length": 1})
     handles = [m.register_forward_hook(hook) for m in vae.decoder.modules() if not list(m.children())]
     model.decode(torch.zeros(rows, *model.latent_shape(), device=next(vae.parameters()).device))
     for handle in handles:
@@ -1258,9 +1367,11 @@ def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[M
     except (ValueError, OSError) as error:
         raise runs.ConfigError(f"--plan: {error}") from None
     adapter, transformer = ADAPTERS[family], components["transformer"]
-    activations = activation_profile(transformer, adapter, dtype, prepare,
-                                     resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length)
-    lora = lora_parameters(transformer, cfg.lora_rank, cfg.lora_targets.split(",")) if cfg.lora_rank else 0
+    settings = dict(resolution=cfg.resolution, max_sequence_length=cfg.max_sequence_length, width=cfg.width,
+                    num_frames=frames_of(cfg.num_frames, cfg.model, family))
+    activations = activation_profile(transformer, adapter, dtype, prepare, settings=settings, vae=components["vae"],
+                                     pipeline_config=components.get("pipeline_config"))
+    lora = lora_parameters(transformer, cfg.lora_rank, lora_targets(cfg.lora_targets, family)) if cfg.lora_rank else 0
     local = cfg.num_prompts // world * cfg.group_size
 
     def plan_of(c) -> MemoryPlan:
@@ -1273,8 +1384,7 @@ def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[M
             reward_bytes=sum(rewards.reward_model_bytes(name, options.get(name, {}).get("dtype", "float32"))
                              for name in rewards.parse_reward_spec(c.rewards)),
             offload_text_encoders=c.offload_text_encoders, activations=activations,
-            decode_bytes=decode_intermediates(components, adapter, resolution=cfg.resolution, rows=rollout_rows,
-                                              dtype=dtype),
+            decode_bytes=decode_intermediates(components, adapter, settings=settings, rows=rollout_rows, dtype=dtype),
             ema=c.ema_decay > 0, reference_copy=c.ref_kl_coef > 0 and not c.lora_rank)
 
     plan = plan_of(cfg)
@@ -1340,6 +1450,14 @@ def check_memory_plan(cfg, family: str, world: int, gpu_gb: float | None, rank: 
 # Which family a --model is, and the checks a loaded model gets before training
 
 
+def frames_of(num_frames: int, model: str, family: str) -> int:
+    """--num_frames, 0 resolved: the tiny video model's short default, else its family's (WanPipeline's 81)."""
+    adapter = ADAPTERS[family]
+    if num_frames:
+        return num_frames
+    return TINY_FRAMES if adapter.video and model in TINY_MODELS else adapter.default_frames
+
+
 def step_distilled(model: str) -> bool:
     """A FLUX.2 [klein] checkpoint distilled to few steps (its pipeline config says is_distilled): its pipeline
     applies no CFG."""
@@ -1398,6 +1516,11 @@ def check_sampling_grid(model: FlowAdapter, solver: str = "euler") -> None:
         raise runs.ConfigError(f"{model.pipeline_class}'s scheduler gives a sigma grid that is not finite for --sampling_steps "
                           f"{model.sampling_steps} at --resolution {model.resolution}: {grid.tolist()}; check the "
                           "model's scheduler/scheduler_config.json (shift, shift_terminal) or use more steps")
+
+
+def lora_targets(flag: str, family: str) -> list[str]:
+    """--lora_targets as a list: its names, or for "auto" the family's attention projections."""
+    return (ADAPTERS[family].lora_targets if flag == "auto" else flag).split(",")
 
 
 def check_lora_targets(transformer: torch.nn.Module, targets: list[str]) -> None:

@@ -8,9 +8,16 @@ images: float tensor (B, 3, H, W) in [0, 1] (the VAE output mapped from [-1, 1])
 strings; metadata: B dicts (from a jsonl prompt file) or None. Scores are computed under no_grad,
 models in eval mode on the device they were built for; the result is on images.device.
 
+Videos (B, F, 3, H, W) from a video model (Wan): a reward that scores a video as a whole declares it by its
+name in VIDEO_REWARDS and takes the videos (`motion`); every other reward stays an image reward and scores
+each video through on_frames: every n-th frame as an image, the mean over them (n: FRAME_INTERVALS, 4 for
+OCR as Flow-GRPO, else 1 as Flow-Factory; train.py's --frame_interval overrides it).
+
 | name                   | score                                               | typical range      |
 | ---------------------- | --------------------------------------------------- | ------------------ |
 | color                  | 1 - |mean RGB - colour named in prompt| / sqrt(3)    | [0, 1]             |
+| motion (videos)        | object's travel in the direction named in prompt,   | [-1, 1]            |
+|                        | first to last frame, per frame size                 |                    |
 | jpeg_compressibility   | -(JPEG size in kB at quality 95), as in DDPO        | about -100 .. -1   |
 | jpeg_incompressibility | +(JPEG size in kB at quality 95)                    | about 1 .. 100     |
 | pickscore              | logit_scale * cos(image, text), raw (some codebases | about 18 .. 24     |
@@ -185,6 +192,91 @@ def color(*, device: str = "cpu") -> Reward:
         return 1 - (images.float().mean(dim=(2, 3)) - target).norm(dim=1) / math.sqrt(3)
 
     return reward
+
+
+DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # (x, y), y pointing down the image
+_DIRECTION_WORD = re.compile(r"\b(" + "|".join(DIRECTIONS) + r")\b", re.IGNORECASE)
+
+
+def prompt_direction(prompt: str, metadata: dict | None = None) -> str:
+    """The direction of motion asked for: metadata["direction"] if given, else the first direction word of the prompt."""
+    name = (metadata or {}).get("direction")
+    if name is None:
+        match = _DIRECTION_WORD.search(prompt)
+        if match is None:
+            raise ValueError(f"the motion reward needs a direction word ({', '.join(DIRECTIONS)}) in the prompt or "
+                             f"metadata['direction']; got prompt {prompt!r}")
+        name = match.group(1)
+    if name.lower() not in DIRECTIONS:
+        raise ValueError(f"unknown direction {name!r}; choose from {', '.join(DIRECTIONS)}")
+    return name.lower()
+
+
+def object_centres(videos: torch.Tensor) -> torch.Tensor:
+    """videos (B, F, 3, H, W) -> (B, F, 2): each frame's centroid (x, y) in pixels of what is not background, each
+    pixel weighted by its colour distance from the background (the video's per-channel median over all its pixels
+    and frames: the most common colour where the object covers under half the frame). A frame of background alone
+    has its centre."""
+    videos = videos.float()
+    background = videos.transpose(1, 2).flatten(2).median(dim=2).values  # (B, 3)
+    weight = (videos - background[:, None, :, None, None]).norm(dim=2)  # (B, F, H, W)
+    H, W = weight.shape[-2:]
+    y, x = torch.arange(H, device=videos.device).float(), torch.arange(W, device=videos.device).float()
+    total = weight.sum(dim=(2, 3))
+    centre_x = torch.where(total > 0, (weight.sum(2) * x).sum(2) / total.clamp_min(1e-12), (W - 1) / 2)
+    centre_y = torch.where(total > 0, (weight.sum(3) * y).sum(2) / total.clamp_min(1e-12), (H - 1) / 2)
+    return torch.stack([centre_x, centre_y], dim=-1)
+
+
+def motion(*, device: str = "cpu") -> Reward:
+    """Temporal, text-conditioned and verifiable; scores videos (B, F, 3, H, W): how far the object (object_centres)
+    travels from the first frame to the last in the direction the prompt names, as a fraction of the frame's size
+    along it: in [-1, 1]; 0.5 for models.toy_videos (16 px on 32), 0 for a still video. (device: unused, no model.)"""
+
+    def reward(videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        metadata = metadata or [None] * len(prompts)
+        way = torch.tensor([DIRECTIONS[prompt_direction(p, m)] for p, m in zip(prompts, metadata)],
+                           device=videos.device, dtype=torch.float32)
+        centres = object_centres(videos)
+        size = torch.tensor([videos.shape[-1], videos.shape[-2]], device=videos.device, dtype=torch.float32)
+        return ((centres[:, -1] - centres[:, 0]) / size * way).sum(dim=1)
+
+    return reward
+
+
+# Rewards that score a video as a whole (videos (B, F, 3, H, W)); every other reward scores images, and a video
+# frame by frame (on_frames).
+VIDEO_REWARDS = {"motion"}
+# Frames a video is scored on by an image reward: every FRAME_INTERVAL-th, from the first. OCR every 4th as Flow-GRPO's
+# video OCR scorer (flow_grpo/ocr.py, OcrScorer_video_or_image: frame_interval 4); the others every frame as
+# Flow-Factory's video PickScore (rewards/pick_score.py: the mean over all frames).
+FRAME_INTERVALS = {"ocr": 4}
+FRAMES_PER_CALL = 64  # frames scored per call of an image reward: a 480p x 81-frame batch at once would not fit
+
+
+def on_frames(reward: Reward, every: int = 1) -> Reward:
+    """An image reward as a video reward: frames 0, every, 2 * every, ... of each video (B, F, 3, H, W) scored as
+    images with their video's prompt and metadata, averaged per video -> (B,)."""
+
+    def video_reward(videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        frames = videos[:, ::every]
+        n = frames.shape[1]
+        images, texts = frames.flatten(0, 1), [p for p in prompts for _ in range(n)]
+        extra = None if metadata is None else [m for m in metadata for _ in range(n)]
+        scores = [reward(images[i:i + FRAMES_PER_CALL], texts[i:i + FRAMES_PER_CALL],
+                         None if extra is None else extra[i:i + FRAMES_PER_CALL])
+                  for i in range(0, len(images), FRAMES_PER_CALL)]
+        return torch.cat(scores).float().view(len(videos), n).mean(dim=1)
+
+    return video_reward
+
+
+def for_samples(name: str, reward: Reward, *, video: bool, frame_interval: int = 0) -> Reward:
+    """The reward `name` as it scores the samples of a model: as it is for images, and for videos a VIDEO_REWARDS
+    entry as it is, any other on_frames (every frame_interval-th frame; 0: FRAME_INTERVALS' or every frame)."""
+    if not video or name in VIDEO_REWARDS:
+        return reward
+    return on_frames(reward, frame_interval or FRAME_INTERVALS.get(name, 1))
 
 
 def jpeg_size_kb(images: torch.Tensor, *, quality: int = 95) -> torch.Tensor:
@@ -1155,6 +1247,7 @@ def reward_server(reward: Reward, name: str, *, host: str = "127.0.0.1", port: i
 
 REWARDS: dict[str, Callable[..., Reward]] = {
     "color": color,
+    "motion": motion,
     "jpeg_compressibility": jpeg_compressibility,
     "jpeg_incompressibility": jpeg_incompressibility,
     "pickscore": pickscore,
@@ -1247,8 +1340,8 @@ def reward_model_bytes(name: str, dtype: str = "float32") -> int:
 
 
 # What a reward needs from every prompt, checked before training: name -> check(text, metadata), raising ValueError.
-PROMPT_CHECKS: dict[str, Callable[[str, dict], Any]] = {"color": prompt_color, "ocr": ocr_target,
-                                                        "geneval": check_geneval_metadata}
+PROMPT_CHECKS: dict[str, Callable[[str, dict], Any]] = {"color": prompt_color, "motion": prompt_direction,
+                                                        "ocr": ocr_target, "geneval": check_geneval_metadata}
 # What `python rewards.py serve NAME` serves where it is not the REWARDS entry itself (an HTTP client there).
 SERVED: dict[str, Callable[..., Callable]] = {"geneval": geneval_server}
 

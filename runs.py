@@ -4,7 +4,8 @@ A run directory (train.py writes it, evaluate.py and `train.load_trained` read i
 
     config.json       the resolved Config; --resume starts from it
     metrics.jsonl     one JSON line per iteration (Tracker); trimmed to the checkpoint on resume
-    samples/          evaluation grids iter-NNNNNN.png, each with a .json of every sample's prompt, noise, rewards
+    samples/          evaluation grids iter-NNNNNN.png (videos: animated .webp), each with a .json of every
+                      sample's prompt, noise, rewards
     checkpoints/      iter-NNNNNN/ (torch.distributed.checkpoint shards, rng-rank*.pt, state.json, manifest.json)
                       and `latest`, naming the newest whole checkpoint
     final/            the export: a diffusers LoRA (pipe.load_lora_weights) or a full transformer (from_pretrained)
@@ -131,12 +132,14 @@ def check_run_dir(path: str) -> None:
 
 def check_sizes(cfg, world_size: int, memory_gb: float) -> None:
     """Refuse, before loading, sizes no machine of memory_gb holds: a lower bound of one rank's iteration from the
-    sizes alone, float32 final latents and K noises of its samples (at least 4 channels at 1/8 of the resolution)
-    plus one rollout batch of decoded images. (Before: --resolution 1048576 tried to allocate 4 TB after the model was
-    built; --group_size 1000000000 ran on silently.) The memory plan (--plan) is the precise check on GPUs."""
+    sizes alone, float32 final latents and K noises of its samples (at least 4 channels at 1/8 of the resolution, a
+    latent frame per 4 video frames) plus one rollout batch of decoded images or videos. (Before: --resolution 1048576
+    tried to allocate 4 TB after the model was built; --group_size 1000000000 ran on silently.) The memory plan
+    (--plan) is the precise check on GPUs."""
     samples = cfg.num_prompts // world_size * cfg.group_size
-    latent = 4 * 4 * (cfg.resolution // 8) ** 2
-    needed = (samples * (cfg.num_mc + 1) * latent + min(cfg.rollout_batch_size, samples) * 4 * 3 * cfg.resolution ** 2)
+    frames, pixels = max(1, cfg.num_frames), cfg.resolution * (cfg.width or cfg.resolution)
+    latent = 4 * 4 * pixels // 64 * (1 + (frames - 1) // 4)
+    needed = (samples * (cfg.num_mc + 1) * latent + min(cfg.rollout_batch_size, samples) * 4 * 3 * pixels * frames)
     if needed > memory_gb * GiB:
         raise ConfigError(f"--resolution {cfg.resolution}, {samples} samples per rank and --num_mc {cfg.num_mc} need at "
                           f"least {needed / GiB:.3g} GiB per rank (latents, noises and one rollout batch of "
@@ -152,7 +155,7 @@ def machine_memory_gb() -> float:
 
 def closing_summary(run_dir: Path, cfg, model, curves: bool) -> str:
     """The files a user opens next, and how the export loads."""
-    grids = sorted((run_dir / "samples").glob("iter-*.png"))
+    grids = sorted(p for p in (run_dir / "samples").glob("iter-*") if p.suffix in (".png", ".webp"))
     if cfg.lora_rank:
         load = f'{model.pipeline_class}.from_pretrained(BASE).load_lora_weights("{run_dir}/final")'
     else:
@@ -559,29 +562,39 @@ GRID_SAMPLES = 16  # evaluation samples drawn in each grid (the JSON beside it l
 
 
 def save_samples(images: torch.Tensor, captions: list[str], records: list[dict] | None, path: Path,
-                 columns: int = 8) -> None:
-    """The evaluation samples a person can read: one PNG grid (rows of up to `columns`) with each image's caption
+                 columns: int = 8, fps: int = 8) -> Path:
+    """The evaluation samples a person can read: one grid (rows of up to `columns`) with each sample's caption
     (prompt and rewards) under it, cells at least 128 px wide (tiny images are enlarged, nearest), and, given records,
     a JSON file beside it with the prompts, noise indices and rewards of every sample (the grid shows the first
-    len(images))."""
+    len(images)). Images (B, 3, H, W) give a PNG; videos (B, F, 3, H, W) an animated WebP of F grids at `fps`
+    (lossless, looping; PIL writes it, no video codec needed). Returns the file written."""
     from PIL import Image, ImageDraw
 
-    cell = max(128, images.shape[-1])
-    pictures = [p.resize((cell, round(cell * p.height / p.width)), Image.NEAREST) for p in rewards.to_pil(images)]
+    videos = images if images.dim() == 5 else images[:, None]
+    cell = max(128, videos.shape[-1])
     lines = [textwrap.wrap(c, width=cell // 6)[:4] for c in captions]  # the default bitmap font is ~6 px per char
     text_h = 11 * max(len(w) for w in lines) + 4
-    cols = min(columns, len(pictures))
-    rows = math.ceil(len(pictures) / cols)
-    grid = Image.new("RGB", (cols * cell, rows * (pictures[0].height + text_h)), "white")
-    draw = ImageDraw.Draw(grid)
-    for i, (picture, wrapped) in enumerate(zip(pictures, lines)):
-        x, y = (i % cols) * cell, (i // cols) * (picture.height + text_h)
-        grid.paste(picture, (x, y))
-        draw.multiline_text((x + 2, y + picture.height + 2), "\n".join(wrapped), fill="black", spacing=1)
+    cols = min(columns, len(videos))
+    rows = math.ceil(len(videos) / cols)
+    grids = []
+    for frame in videos.unbind(1):
+        pictures = [p.resize((cell, round(cell * p.height / p.width)), Image.NEAREST) for p in rewards.to_pil(frame)]
+        grid = Image.new("RGB", (cols * cell, rows * (pictures[0].height + text_h)), "white")
+        draw = ImageDraw.Draw(grid)
+        for i, (picture, wrapped) in enumerate(zip(pictures, lines)):
+            x, y = (i % cols) * cell, (i // cols) * (picture.height + text_h)
+            grid.paste(picture, (x, y))
+            draw.multiline_text((x + 2, y + picture.height + 2), "\n".join(wrapped), fill="black", spacing=1)
+        grids.append(grid)
     path.parent.mkdir(parents=True, exist_ok=True)
-    grid.save(path)
+    if len(grids) > 1:
+        path = path.with_suffix(".webp")
+        grids[0].save(path, save_all=True, append_images=grids[1:], duration=round(1000 / fps), loop=0, lossless=True)
+    else:
+        grids[0].save(path)
     if records is not None:
         path.with_suffix(".json").write_text(json.dumps(records, indent=1))
+    return path
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -75,22 +75,29 @@ def arg(default, help: str):
 @dataclass
 class Config:
     # --- model and data
-    preset: str = arg("tiny", "tiny | sd35m | flux | qwenimage | flux2: settings applied before the other flags")
-    model: str = arg("tiny", "diffusers pipeline dir or hub id (SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein]); tiny | "
-                             "tiny-flux | tiny-qwenimage | tiny-flux2 build a tiny one offline")
+    preset: str = arg("tiny", "tiny | sd35m | flux | qwenimage | flux2 | tiny-wan | wan21 | wan22-5b: settings applied "
+                              "before the other flags")
+    model: str = arg("tiny", "diffusers pipeline dir or hub id (SD3/SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein], Wan2.1 / "
+                             "Wan2.2-TI2V-5B); tiny | tiny-flux | tiny-qwenimage | tiny-flux2 | tiny-wan build a tiny one "
+                             "offline")
     prompts: str = arg("", "training prompts: .txt (one per line), .jsonl ({'prompt': ..., metadata}) or a named set "
                            "(ocr, geneval, pickapic, hpdv2: its train split; prompts.py); tiny models have built-ins")
     eval_prompts: str = arg("", "fixed evaluation prompts, same forms; default: a named set's test split, else the "
                                 "first eval_samples training prompts")
     eval_samples: int = arg(32, "evaluation samples: the eval prompts in order, cycled (each repeat with its own fixed "
                                 "noise) to this many")
-    resolution: int = arg(32, "image height and width in pixels")
+    resolution: int = arg(32, "image height and width in pixels (video models: the height, see --width)")
+    width: int = arg(0, "video models: frame width in pixels (0 = --resolution, square)")
+    num_frames: int = arg(0, "video models: frames per video, 1 + a multiple of 4 for Wan (e.g. 33, 81); 0 = the "
+                             "model's default (Wan 81, tiny-wan 9; image models 1)")
     max_sequence_length: int = arg(8, "text tokens per prompt (T5's; Qwen-Image: at most, after its template)")
     tiny_fit_steps: int = arg(250, "tiny models only: steps fitting them to toy images before RL (0 = random weights)")
     # --- rewards
     rewards: str = arg("color", "name:weight,... from rewards.REWARDS, e.g. hpsv21:1,pickscore:1,clipscore:1")
     reward_options: str = arg("{}", "JSON {reward_name: {factory option: value}}, e.g. '{\"pickscore\": {\"model\": \"/ckpt\"}}'")
     reward_aggregation: str = arg("advantage", "advantage: sum of per-reward advantages (MixGRPO) | reward: advantage of the weighted sum")
+    frame_interval: int = arg(0, "video models: image rewards score every n-th frame, averaged (0 = each reward's own: "
+                                 "ocr 4 as Flow-GRPO, the others 1 as Flow-Factory); video rewards (motion) see all")
     # --- rollouts
     sampling_steps: int = arg(8, "ODE steps per rollout")
     solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step) | scheduler (the "
@@ -133,7 +140,9 @@ class Config:
     max_grad_norm: float = arg(1.0, "gradient-norm clip")
     lora_rank: int = arg(32, "LoRA rank on the attention projections; 0 = full fine-tuning")
     lora_alpha: int = arg(64, "LoRA alpha")
-    lora_targets: str = arg("to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out", "LoRA target modules")
+    lora_targets: str = arg("auto", "LoRA target modules, comma-separated; auto = the family's attention projections "
+                                    "(to_q,to_k,to_v,to_out.0 and, where the blocks have them, the text stream's "
+                                    "add_q_proj,add_k_proj,add_v_proj,to_add_out)")
     # --- systems
     micro_batch_size: int = arg(4, "samples per forward/backward in the gradient steps (per rank)")
     rollout_batch_size: int = arg(32, "samples per sampling / decoding / reward call (per rank)")
@@ -172,6 +181,11 @@ PRESETS = {
     # pattern: latent RMS 2.7 -> 3.5, within-group surrogate CV 0.07 -> 0.2, gradient norm doubling); with 1 no seed
     # fell back by more than 0.008 at 3e-3, and at lr 1e-3 it reached 0.61 and 0.62 no later than 0.3 did.
     "tiny": dict(num_mc=8, eval_samples=128, num_grad_steps=2, clip_eps=0.01, kl_coef=1.0),
+    # The tiny Wan pipeline (models.tiny_wan_pipeline, 5-frame videos of a square moving in the captioned direction)
+    # with tiny's V-GRPO settings, sampled as its pipe() samples (UniPC); trained on the colour reward scored frame by
+    # frame, the motion reward monitored: this tiny base does not follow the direction words (README, "Video").
+    "tiny-wan": dict(model="tiny-wan", rewards="color:1", monitor_rewards="motion", solver="scheduler", num_mc=8,
+                     eval_samples=128, num_grad_steps=2, clip_eps=0.01, kl_coef=1.0),
     # Paper, SD3.5-Medium stage 1 (preference): fully on-policy, soft clip only. micro_batch_size 4 (16 rows of
     # K = 4 per forward): the memory plan (--plan) puts 8 at 87 GiB per GPU, 4 at 49 GiB of 80; same compute.
     "sd35m": dict(model="stabilityai/stable-diffusion-3.5-medium", resolution=512, max_sequence_length=256,
@@ -202,6 +216,23 @@ PRESETS = {
                   # 20 of klein 4B's 25 blocks are single blocks, whose q, k, v come from one fused projection
                   # (with the MLP's input): without it LoRA would reach only the 5 double blocks.
                   lora_targets="to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out,to_qkv_mlp_proj"),
+    # Wan2.1-T2V-1.3B with Flow-GRPO's published video setting (config/grpo.py, general_ocr_wan2_1; reward video_ocr:
+    # every 4th frame): 240 x 416 px, 33 frames, 20 sampling steps, CFG 4.5, 4 videos per prompt, 32 prompts per
+    # epoch on 8 GPUs, lr 1e-4, LoRA; its UniPC scheduler stepped as pipe() steps it. V-GRPO's own settings as sd35m.
+    "wan21": dict(model="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", resolution=240, width=416, num_frames=33,
+                  max_sequence_length=512, rewards="ocr:1", num_prompts=32, group_size=4, sampling_steps=20,
+                  cfg_scale=4.5, solver="scheduler", num_mc=4, num_grad_steps=1, soft_clip_eta=3.0, clip_eps=None,
+                  lr=1e-4, lora_rank=32, lora_alpha=64, iterations=300, micro_batch_size=2, rollout_batch_size=16,
+                  grad_checkpointing=True),
+    # Wan2.2-TI2V-5B (one transformer) with Flow-Factory's published Wan2.2 GRPO LoRA setting (examples/grpo/lora/
+    # wan22/t2v.yaml, written for Wan2.2-A14B, whose two experts this project refuses): 480 px, 5 frames, 10 steps,
+    # CFG 4, group 16, 48 prompts per epoch, 2 gradient steps per epoch, LoRA r 64 / alpha 128, lr 1e-4, weight decay
+    # 1e-4, PickScore on every frame. V-GRPO's own settings as the flux preset (2 gradient steps: the ratio clip).
+    "wan22-5b": dict(model="Wan-AI/Wan2.2-TI2V-5B-Diffusers", resolution=480, num_frames=5, max_sequence_length=512,
+                     rewards="pickscore:1", num_prompts=48, group_size=16, sampling_steps=10, cfg_scale=4.0,
+                     solver="scheduler", num_mc=4, num_grad_steps=2, clip_eps=0.01, soft_clip_eta=3.0, lr=1e-4,
+                     weight_decay=1e-4, lora_rank=64, lora_alpha=128, iterations=300, micro_batch_size=4,
+                     rollout_batch_size=16, grad_checkpointing=True),
 }
 
 
@@ -256,6 +287,8 @@ def _positive(high: float = math.inf):
 # whose step lr * wd would flip the weights' sign.
 NUMERIC_RULES = {
     "resolution": (lambda v: v > 0 and v % 16 == 0, "a positive multiple of 16 (VAE x8 and 2x2 patches)"),
+    "width": (lambda v: v >= 0 and v % 16 == 0, "0 (square) or a positive multiple of 16"),
+    "num_frames": _at_least(0), "frame_interval": _at_least(0),
     "max_sequence_length": _at_least(1), "tiny_fit_steps": _at_least(0), "sampling_steps": _at_least(1),
     "cfg_scale": _at_least(1), "flux_guidance": _at_least(0), "num_prompts": _at_least(1),
     "group_size": (lambda v: v >= 2, ">= 2: GRPO needs at least 2 samples per prompt"),
@@ -305,7 +338,7 @@ def validate(cfg: Config, world_size: int) -> str:
                           f"of whole --micro_batch_size {cfg.micro_batch_size} micro-batches")
     if not all(cfg.lora_targets.split(",")):
         raise ConfigError(f"--lora_targets: name at least one module, comma-separated without empty names "
-                          f"(got {cfg.lora_targets!r}); e.g. {Config.lora_targets}")
+                          f"(got {cfg.lora_targets!r}); e.g. {models.FlowAdapter.lora_targets}")
     if cfg.t_min >= cfg.t_max:
         raise ConfigError(f"--t_min {cfg.t_min} must be below --t_max {cfg.t_max}")
     try:
@@ -348,6 +381,7 @@ def validate(cfg: Config, world_size: int) -> str:
                           "model_index.json) and Flux2KleinPipeline applies no CFG to it; use --cfg_scale 1, or train the "
                           "base model (e.g. black-forest-labs/FLUX.2-klein-base-4B) with CFG")
     adapter = models.ADAPTERS[family]
+    check_video_settings(cfg, adapter, {**weights, **monitored})
     if cfg.sampling_steps < adapter.min_sampling_steps:
         raise ConfigError(f"--sampling_steps {cfg.sampling_steps}: {adapter.pipeline_class} needs at least "
                           f"{adapter.min_sampling_steps} (its scheduler's sigma grid is undefined for fewer, the "
@@ -356,6 +390,23 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--max_sequence_length {cfg.max_sequence_length}: {adapter.pipeline_class} accepts at most "
                           f"{adapter.text_token_limit} (pipe(...) refuses longer text too)")
     return family
+
+
+def check_video_settings(cfg: Config, adapter: type, reward_names) -> None:
+    """Frames, width and video rewards only where the model makes videos, and frames its VAE can code."""
+    if adapter.video:
+        if cfg.num_frames and (cfg.num_frames - 1) % adapter.frame_stride:
+            raise ConfigError(f"--num_frames {cfg.num_frames}: {adapter.pipeline_class} needs 1 + a multiple of "
+                              f"{adapter.frame_stride} (e.g. 33 or 81); its pipeline would round it")
+        return
+    wrong = {"num_frames": cfg.num_frames > 1, "width": cfg.width not in (0, cfg.resolution)}
+    for name, bad in wrong.items():
+        if bad:
+            raise ConfigError(f"--{name} {getattr(cfg, name)}: {adapter.pipeline_class} makes square images; --{name} "
+                              "is for video models (Wan)")
+    videos_only = sorted(set(reward_names) & rewards.VIDEO_REWARDS)
+    if videos_only:
+        raise ConfigError(f"reward {', '.join(videos_only)} scores videos; {adapter.pipeline_class} makes images")
 
 
 def prompts_for_iteration(num_available: int, num_prompts: int, seed: int, iteration: int) -> list[int]:
@@ -402,7 +453,17 @@ def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.d
             stays = (name == "transformer" and sharded) or (name.startswith("text_encoder") and cfg.offload_text_encoders)
             module.to("cpu" if stays else device)
     return adapter(pipe, dtype, resolution=cfg.resolution, sampling_steps=cfg.sampling_steps,
-                   max_sequence_length=cfg.max_sequence_length, guidance=cfg.flux_guidance)
+                   max_sequence_length=cfg.max_sequence_length, guidance=cfg.flux_guidance,
+                   num_frames=models.frames_of(cfg.num_frames, cfg.model, family), width=cfg.width)
+
+
+def load_rewards(cfg: Config, names, family: str, device: torch.device) -> dict:
+    """The named rewards with their --reward_options, scoring what the model makes: a video model's videos go to image
+    rewards frame by frame (rewards.for_samples)."""
+    options = json.loads(cfg.reward_options)
+    return {name: rewards.for_samples(name, rewards.load_reward(name, device=device, **options.get(name, {})),
+                                      video=models.ADAPTERS[family].video, frame_interval=cfg.frame_interval)
+            for name in names}
 
 
 def encode(model: models.FlowAdapter, texts: list[str], device: torch.device, offload: bool) -> dict:
@@ -433,7 +494,7 @@ def lora_config(cfg: Config):
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                      target_modules=cfg.lora_targets.split(","))
+                      target_modules=models.lora_targets(cfg.lora_targets, models.model_family(cfg.model)))
 
 
 def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
@@ -442,7 +503,7 @@ def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
     LoRA matrix never moved). Gradients and AdamW states follow the parameters' dtype; compute stays in the
     pipeline's dtype (autocast in the adapters, MixedPrecisionPolicy under FSDP2)."""
     if cfg.lora_rank:
-        models.check_lora_targets(transformer, cfg.lora_targets.split(","))
+        models.check_lora_targets(transformer, models.lora_targets(cfg.lora_targets, models.model_family(cfg.model)))
         transformer.add_adapter(lora_config(cfg))
     else:
         transformer.requires_grad_(True)
@@ -478,9 +539,8 @@ def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.
     else:
         mesh = init_device_mesh(device.type, (world,))
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for name in ("transformer_blocks", "single_transformer_blocks"):  # SD3 has the first, FLUX both
-        for block in getattr(transformer, name, []):
-            fully_shard(block, mesh=mesh, mp_policy=policy)
+    for block in models.transformer_blocks(transformer):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(transformer, mesh=mesh, mp_policy=policy)
 
 
@@ -489,9 +549,8 @@ def compile_blocks(transformer: torch.nn.Module, backend: str) -> None:
     (Module.compile), so the blocks keep their names (checkpoints, LoRA export) and FSDP2 still shards them one by
     one. Rollouts, the surrogate's passes and their backward all run through it; a new batch shape (the last rollout
     chunk, an evaluation) compiles once more."""
-    for name in ("transformer_blocks", "single_transformer_blocks"):
-        for block in getattr(transformer, name, []):
-            block.compile(backend=backend)
+    for block in models.transformer_blocks(transformer):
+        block.compile(backend=backend)
 
 
 @contextlib.contextmanager
@@ -632,10 +691,9 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / models.GiB if device.type == "cuda" else None
     models.check_memory_plan(cfg, family, world, gpu_gb, rank, partial(make_trainable, cfg=cfg))
     weights = rewards.parse_reward_spec(cfg.rewards)
-    options = json.loads(cfg.reward_options)
-    reward_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {})) for name in weights}
-    monitor_fns = {name: rewards.load_reward(name, device=device, **options.get(name, {}))
-                   for name in (rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {})}
+    reward_fns = load_rewards(cfg, weights, family, device)
+    monitor_fns = load_rewards(cfg, rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {}, family,
+                               device)
     model = load_pipeline(cfg, family, device, dtype, sharded=world > 1)
     models.check_sampling_grid(model, cfg.solver)
     transformer = model.transformer
@@ -886,8 +944,9 @@ def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
         raise ConfigError(f"--prompts is required for a real model: a .txt (one prompt per line) or .jsonl file, or a "
                           f"named set ({', '.join(prompt_sets.SETS)})")
     say = print if os.environ.get("RANK", "0") == "0" else (lambda _: None)
+    video = models.ADAPTERS[models.model_family(cfg.model)].video
     prompts = (prompt_sets.load(cfg.prompts, split="train", say=say) if cfg.prompts
-               else [Prompt(p, {}) for p in models.TINY_PROMPTS])
+               else [Prompt(p, {}) for p in (models.TINY_VIDEO_PROMPTS if video else models.TINY_PROMPTS)])
     eval_spec = cfg.eval_prompts or prompt_sets.test_split(cfg.prompts)
     listed = prompt_sets.load(eval_spec, split="test", say=say) if eval_spec else prompts[:cfg.eval_samples]
     eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]
