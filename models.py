@@ -1,15 +1,15 @@
 """models.py: the model families train.py drives, behind one adapter contract; the offline test models; the memory plan.
 
-V-GRPO needs five things from a text-to-image flow model, and nothing else (FlowAdapter's docstring is the
-contract). Each diffusers pipeline family is one class here (SD3, Flux, QwenImage, Flux2); train.py never looks past
-the contract.
+V-GRPO needs five things from a text-to-image (or text-to-video) flow model, and nothing else (FlowAdapter's docstring
+is the contract). Each diffusers pipeline family is one class here (SD3, Flux, QwenImage, Flux2, Wan); train.py never
+looks past the contract.
 
 Offline models (no hub access needed, random or briefly fitted weights, the real diffusers/transformers classes):
-- tiny_pipeline: toy widths, used by `python train.py` and most tests;
+- tiny_pipeline: toy widths, used by `python train.py` and most tests (tiny_wan_pipeline: the video one);
 - reduced_pipeline: the REAL widths of SD3-Medium, SD3.5-Medium/Large, FLUX.1-dev/schnell, Qwen-Image and FLUX.2
-  [klein] 4B (hidden sizes, heads, dual attention, qk norm, rope axes, guidance embedding, text-encoder widths, VAE
-  latent channels and scaling), with 1-2 transformer blocks and one text-encoder layer, so that CPU tests see the
-  layouts, sizes and dtypes a GPU run sees.
+  [klein] 4B, Wan2.1-T2V-1.3B / 14B and Wan2.2-TI2V-5B (hidden sizes, heads, dual attention, qk norm, rope axes,
+  guidance embedding, text-encoder widths, VAE latent channels and scaling), with 1-2 transformer blocks and one
+  text-encoder layer, so that CPU tests see the layouts, sizes and dtypes a GPU run sees.
 
 Memory plan (memory_plan, plan_memory): what each GPU holds in each phase of an iteration, from the configs on the
 meta device and activations measured on a real-width twin, before any weight is loaded."""
@@ -846,6 +846,8 @@ def reduced_pipeline(name: str, seed: int = 0):
     torch.manual_seed(seed)
     if spec["family"] in ("qwenimage", "flux2"):
         return reduced_qwen_pipeline(name)
+    if spec["family"] == "wan":
+        return reduced_wan_pipeline(name)
     clip_tok, t5_tok = tiny_clip_tokenizer(), tiny_t5_tokenizer()
     ids = dict(bos_token_id=clip_tok.bos_token_id, eos_token_id=clip_tok.eos_token_id, pad_token_id=clip_tok.pad_token_id)
     clip_l = CLIPTextConfig(vocab_size=len(clip_tok), hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
@@ -885,6 +887,30 @@ def reduced_qwen_pipeline(name: str):
         vae = AutoencoderKLFlux2(block_out_channels=(32,) * 4, layers_per_block=1)  # real 32 latent channels, x8
     return assemble_qwen_pipeline(spec["family"], reduced_transformer(name), FlowMatchEulerDiscreteScheduler(**spec["scheduler"]),
                                   vae, encoder, tokenizer)
+
+
+def reduced_wan_pipeline(name: str, text_encoder=None, tokenizer=None):
+    """A WanPipeline: 1 transformer block at real width, UMT5-XXL's width with one layer (the tiny T5 vocabulary), a
+    VAE of the real structure (z channels, x8 / x4, Wan2.2's x16 with its 2x2 patchify and residual blocks) at 16
+    channels per block, the UniPC scheduler, expand_timesteps as the checkpoint sets it. text_encoder / tokenizer:
+    reuse these (same widths in every Wan)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    spec = REAL_CONFIGS[name]
+    tokenizer = tokenizer or tiny_t5_tokenizer(_TINY_VIDEO_WORDS)
+    if text_encoder is None:
+        text = {**spec["text"], "vocab_size": len(tokenizer), "num_layers": 1, "pad_token_id": tokenizer.pad_token_id,
+                "eos_token_id": tokenizer.eos_token_id, "decoder_start_token_id": 0}
+        text_encoder = UMT5EncoderModel(UMT5Config(**text))
+    narrow = {"base_dim": 16, "num_res_blocks": 1, **({"decoder_base_dim": 16} if "decoder_base_dim" in spec["vae"] else {})}
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=AutoencoderKLWan(**{**spec["vae"], **narrow}),
+                       transformer=reduced_transformer(name), scheduler=UniPCMultistepScheduler(**spec["scheduler"]),
+                       **spec["pipeline"])
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
 
 
 def reduced_transformer(name: str, full: bool = False):
@@ -1091,11 +1117,12 @@ def meta_components(model: str) -> tuple[str, dict]:
 def stored_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
     """Bytes of parameters and buffers once loaded in `dtype` the way from_pretrained loads them: floating tensors
     in dtype except the modules a model keeps in float32 (transformers: _keep_in_fp32_modules_strict always,
-    _keep_in_fp32_modules only for float16; so T5's wo is bfloat16 in a bfloat16 load). A transformers model's
-    non-persistent buffers keep the dtype they were built in: from_pretrained never casts them (Qwen's rotary
-    inv_freq stays float32)."""
+    _keep_in_fp32_modules only for float16, so T5's wo is bfloat16 in a bfloat16 load; diffusers:
+    _keep_in_fp32_modules in any dtype, so Wan's time embedder, norms and modulation tables stay float32). A
+    transformers model's non-persistent buffers keep the dtype they were built in: from_pretrained never casts them
+    (Qwen's rotary inv_freq stays float32)."""
     keep = list(getattr(module, "_keep_in_fp32_modules_strict", None) or [])
-    if dtype == torch.float16:
+    if dtype == torch.float16 or type(module).__module__.startswith("diffusers."):
         keep += list(getattr(module, "_keep_in_fp32_modules", None) or [])
     as_built = set()
     if type(module).__module__.startswith("transformers."):
@@ -1104,7 +1131,7 @@ def stored_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
         if not t.is_floating_point() or name in as_built:
             total += t.numel() * t.element_size()
-        elif any(f".{k}." in f".{name}" for k in keep):
+        elif any(k in name.split(".") for k in keep):  # a module of that name anywhere in the path, as both do
             total += t.numel() * 4
         else:
             total += t.numel() * dtype.itemsize
@@ -1182,7 +1209,11 @@ def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prep
     not require grad yet, so it saves less (seen: 8.2 vs 9.4 MB per row); FLUX.2's first single block saves 18 kB
     per row more than the later ones. Part of what is saved does not grow with the batch (autocast's bf16
     copies of the fp32 LoRA weights), hence the pairs. settings: the adapter's (resolution, max_sequence_length,
-    num_frames, width); vae and pipeline_config where the adapter reads them (Wan)."""
+    num_frames, width); vae and pipeline_config where the adapter reads them (Wan).
+
+    Videos of more than 2 latent frames are measured at 1 and 2 latent frames and extrapolated linearly in them:
+    what a block saves grows linearly with its tokens (attention keeps no token x token matrix), and a twin run at
+    480p x 81 frames (32760 tokens a row) took minutes on 2 cores, at 720p or 14B's width more than 24 GB."""
     config = dict(transformer_meta.config)
     # Parameters on the meta device (materialize fills them), everything else real: Qwen-Image keeps its rotary
     # tables as plain tensors computed at construction, which the meta device would leave without data.
@@ -1192,18 +1223,29 @@ def activation_profile(transformer_meta, adapter: type, dtype: torch.dtype, prep
         twin = type(transformer_meta).from_config({**config, **adapter.reduced_depth(config)})
     twin = materialize(twin, dtype)
     prepare(twin)
-    model = adapter(planning_pipe(twin, vae, adapter, pipeline_config), dtype, sampling_steps=1, **settings)
+    target = settings.get("num_frames", 1)
+    stride = adapter.frame_stride
+    measured = (1, 1 + stride) if adapter.video and target > 1 + stride else (target,)
     twin_blocks = blocks_of(twin, adapter)
-    runs = []
-    for rows in (1, 2):
-        saved = SavedBytes(twin, twin_blocks)
-        with saved.hooks():
-            model.velocity(torch.zeros(rows, *model.latent_shape()), torch.full((rows,), 0.5), model.cond_like(rows))
-        runs.append(saved)
+    runs = {}  # (frames, rows) -> SavedBytes
+    for frames in measured:
+        model = adapter(planning_pipe(twin, vae, adapter, pipeline_config), dtype, sampling_steps=1,
+                        **{**settings, "num_frames": frames})
+        for rows in (1, 2):
+            runs[frames, rows] = saved = SavedBytes(twin, twin_blocks)
+            with saved.hooks():
+                model.velocity(torch.zeros(rows, *model.latent_shape()), torch.full((rows,), 0.5), model.cond_like(rows))
 
     def pair(get) -> tuple[float, float]:  # saved(rows) = fixed + per_row * rows, from rows 1 and 2
-        one, two = get(runs[0]), get(runs[1])
-        return 2 * one - two, two - one
+        fixed, per_row = [], []
+        for frames in measured:
+            one, two = get(runs[frames, 1]), get(runs[frames, 2])
+            fixed.append(2 * one - two)
+            per_row.append(two - one)
+        if len(measured) == 1:
+            return fixed[0], per_row[0]
+        later = (target - 1) // stride  # latent frames beyond the first: linear from 0 and 1 of them
+        return fixed[0] + (fixed[1] - fixed[0]) * later, per_row[0] + (per_row[1] - per_row[0]) * later
 
     # Each stack's first block stands for itself; a later one for the twin's last block of its type in that stack.
     index, offset = [], 0
@@ -1394,8 +1436,10 @@ def plan_memory(cfg, family: str, world: int, gpu_gb: float, prepare) -> tuple[M
         return plan, f"--rollout_batch_size {largest} fits too" if largest > cfg.rollout_batch_size else ""
     # Not a lever: reward models in bf16 (their `dtype` option). Scores within 1e-3 of fp32 would need checking on
     # the real weights, which cannot be downloaded here; the plan counts them in the dtype they are given.
+    # A rollout batch of 1 last: a video model's sampling step at 720p holds GBs per sample (Wan2.1-14B at 480p x 81
+    # frames fits 8 x 80 GB only so).
     levers = [{}, {"rollout_batch_size": max(1, cfg.rollout_batch_size // 4)}, {"rollout_gather_once": False},
-              {"grad_checkpointing": True}]
+              {"grad_checkpointing": True}, {"rollout_batch_size": 1}]
     mini, changes = local // cfg.num_grad_steps, {}
     for lever in levers:
         changes.update(lever)

@@ -2889,13 +2889,16 @@ REAL_SMALL_RUN = ["--resolution", "64", "--max_sequence_length", "8", "--rewards
                   "--eval_every", "0", "--tiny_fit_steps", "0"]
 
 
-SAVED_REAL = {"sd3": "sd3.5-medium", "flux": "flux.1-dev", "qwenimage": "qwen-image", "flux2": "flux.2-klein-4b"}
+SAVED_REAL = {"sd3": "sd3.5-medium", "flux": "flux.1-dev", "qwenimage": "qwen-image", "flux2": "flux.2-klein-4b",
+              "wan": "wan2.1-t2v-1.3b"}
+REAL_IMAGE = [name for name, spec in models.REAL_CONFIGS.items() if spec["family"] != "wan"]
+REAL_WAN = [name for name, spec in models.REAL_CONFIGS.items() if spec["family"] == "wan"]
 
 
 @pytest.fixture(scope="module")
 def real_dirs(tmp_path_factory):
     """One member of each family at real width, saved with save_pretrained: SD3.5-Medium (2 blocks), FLUX.1-dev and
-    FLUX.2 [klein] 4B (1 double + 1 single block), Qwen-Image (1 block)."""
+    FLUX.2 [klein] 4B (1 double + 1 single block), Qwen-Image and Wan2.1-T2V-1.3B (1 block)."""
     root = tmp_path_factory.mktemp("real")
     for name in SAVED_REAL.values():
         models.reduced_pipeline(name).save_pretrained(root / name)
@@ -2917,6 +2920,8 @@ def real_pipes(real_dirs):
             return loaded[name]
         spec = models.REAL_CONFIGS[name]
         base = loaded[SAVED_REAL[spec["family"]]]
+        if spec["family"] == "wan":  # its own VAE (Wan2.2's differs), the saved UMT5
+            return models.reduced_wan_pipeline(name, text_encoder=base.text_encoder, tokenizer=base.tokenizer)
         return type(base)(**{**base.components, "transformer": models.reduced_transformer(name).eval(),
                              "scheduler": FlowMatchEulerDiscreteScheduler(**spec["scheduler"])})
 
@@ -2929,7 +2934,7 @@ GRID_ANCHORS = {"sd3-medium": (40, 1024, 0.0089), "sd3.5-medium": (40, 512, 0.00
                 "flux.2-klein-4b": (50, 1024, None)}
 
 
-@pytest.mark.parametrize("name", list(models.REAL_CONFIGS))
+@pytest.mark.parametrize("name", REAL_IMAGE)
 def test_real_width_rollouts_and_grids_equal_the_plain_pipeline_call(name, real_pipes, monkeypatch):
     """Every StableDiffusion3Pipeline / FluxPipeline checkpoint family: Euler rollouts + decoding equal
     `pipe(prompt, num_inference_steps=N)` called the plain way (schnell: no guidance embedding, shift 1), and the
@@ -2949,6 +2954,25 @@ def test_real_width_rollouts_and_grids_equal_the_plain_pipeline_call(name, real_
     assert torch.equal(ours, pipe.scheduler.sigmas.cpu()) and ours[0] == 1 and ours[-1] == 0 and len(ours) == steps + 1
     if last is not None:
         assert ours[-2].item() == pytest.approx(last, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", REAL_WAN)
+def test_wan_real_width_rollouts_equal_the_plain_pipeline_call(name, real_pipes):
+    """Wan2.1-T2V-1.3B / 14B and Wan2.2-TI2V-5B at real width (1 block; Wan2.2's x16 VAE, 48 latent channels and
+    per-token timesteps): rollouts on the checkpoint's UniPC with CFG 5 against "" == `pipe(prompt, num_frames=5,
+    num_inference_steps=3, latents=noise)`, latents and decoded videos."""
+    pipe = real_pipes(name)
+    model = models.Wan(pipe, resolution=64, sampling_steps=3, max_sequence_length=16, num_frames=5)
+    prompts = ["a red square moving left", "a photo of the blue square moving up"]
+    noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(0))
+    call = partial(pipe, prompt=prompts, height=64, width=64, num_frames=5, num_inference_steps=3, latents=noise,
+                   guidance_scale=5.0, max_sequence_length=16)
+    with torch.no_grad():
+        x0 = model.sample(model.guided(model.velocity, model.encode([""]), 5.0), noise, model.encode(prompts), "scheduler")
+        videos = model.decode(x0)
+    torch.testing.assert_close(x0, call(output_type="latent").frames, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(videos, call(output_type="pt").frames, rtol=1e-4, atol=1e-4)
+    assert videos.shape == (2, 5, 3, 64, 64)
 
 
 def assert_export_reproduces_training(run_dir, base_dir, family, *, lora):
@@ -2977,6 +3001,7 @@ def assert_export_reproduces_training(run_dir, base_dir, family, *, lora):
     ("flux", "flux.1-dev", ["--micro_batch_size", "1"]),  # 2 gradient steps on 2 samples
     ("qwenimage", "qwen-image", ["--micro_batch_size", "2"]),  # true CFG rollouts
     ("flux2", "flux.2-klein-4b", ["--micro_batch_size", "1"]),  # CFG, 2 gradient steps, LoRA r 64
+    ("wan21", "wan2.1-t2v-1.3b", ["--micro_batch_size", "2", "--num_frames", "5", "--width", "0"]),  # UniPC, CFG 4.5
 ])
 def test_preset_iteration_at_real_width_exports_a_lora_that_diffusers_loads_exactly(preset, name, extra, real_dirs,
                                                                                     tmp_path):
@@ -3083,21 +3108,26 @@ def assert_float32_master_step(params, before, grads, optimizer, frozen_modules,
         # written on. bf16 storage is off by ~|w| 2^-9, a missing bias correction by ~lr.
         bound = (p.detach().double().abs() + 10 * lr) * 2**-24
         assert ((realised - intended).abs() <= bound).all(), n
-    frozen = [p for m in frozen_modules for p in m.parameters() if not p.requires_grad]
-    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)  # T5's wo too (transformers 5 keeps it only in fp16)
+    # bf16, T5's wo too (transformers 5 keeps it only in fp16); float32 where diffusers keeps a module so in any dtype
+    # (Wan's time embedder, norms and modulation tables: WanTransformer3DModel._keep_in_fp32_modules)
+    frozen = {(n, p.dtype, any(k in n.split(".") for k in (getattr(m, "_keep_in_fp32_modules", None) or [])
+                               if type(m).__module__.startswith("diffusers.")))
+              for m in frozen_modules for n, p in m.named_parameters() if not p.requires_grad}
+    assert frozen and all(dtype == (torch.float32 if kept else torch.bfloat16) for _, dtype, kept in frozen)
 
 
-@pytest.mark.parametrize("name", ["flux.1-dev", "qwen-image", "flux.2-klein-4b"])
-def test_bf16_lora_training_keeps_float32_master_weights_and_matches_an_fp32_step(name, real_dirs):
-    """Real width (FLUX.1-dev, Qwen-Image, FLUX.2 [klein] 4B), LoRA: bf16 compute, fp32 storage; the gradient agrees
-    with an fp32-compute step to bf16 compute error (the realised update, checked exactly against AdamW, carries no
-    bf16 storage error)."""
+@pytest.mark.parametrize("name,extra", [("flux.1-dev", ()), ("qwen-image", ()), ("flux.2-klein-4b", ()),
+                                        ("wan2.1-t2v-1.3b", ("--num_frames", "5"))])
+def test_bf16_lora_training_keeps_float32_master_weights_and_matches_an_fp32_step(name, extra, real_dirs):
+    """Real width (FLUX.1-dev, Qwen-Image, FLUX.2 [klein] 4B, Wan2.1-1.3B on 5-frame videos), LoRA: bf16 compute,
+    fp32 storage; the gradient agrees with an fp32-compute step to bf16 compute error (the realised update, checked
+    exactly against AdamW, carries no bf16 storage error)."""
     family = models.REAL_CONFIGS[name]["family"]
-    model, params, before, grads, optimizer = one_bf16_step(real_dirs / name, family, torch.bfloat16)
+    model, params, before, grads, optimizer = one_bf16_step(real_dirs / name, family, torch.bfloat16, *extra)
     assert_float32_master_step(params, before, grads, optimizer,
                                [c for c in model.pipe.components.values() if isinstance(c, torch.nn.Module)])
     # peft initialises the adapter in the base layer's dtype: start the fp32 run from the same (bf16-rounded) values
-    _, _, _, grads32, _ = one_bf16_step(real_dirs / name, family, torch.float32, init=before)
+    _, _, _, grads32, _ = one_bf16_step(real_dirs / name, family, torch.float32, *extra, init=before)
     g16 = torch.cat([grads[n].flatten() for n in sorted(grads)])
     g32 = torch.cat([grads32[n].flatten() for n in sorted(grads32)])
     # Compute error, not storage error: at this width with random weights the bf16 velocity itself is 4% off the
@@ -3131,15 +3161,20 @@ def saved_for_backward(model, rows):
 @pytest.mark.parametrize("name,depth", [("sd3.5-medium", {"num_layers": 5, "dual_attention_layers": (0, 1, 2)}),
                                         ("flux.1-dev", {"num_layers": 2, "num_single_layers": 3}),
                                         ("qwen-image", {"num_layers": 3}),
-                                        ("flux.2-klein-4b", {"num_layers": 2, "num_single_layers": 3})])
+                                        ("flux.2-klein-4b", {"num_layers": 2, "num_single_layers": 3}),
+                                        ("wan2.1-t2v-1.3b", {"num_layers": 3})])
 def test_memory_plan_matches_a_measured_cpu_run_at_real_width(name, depth, real_dirs):
     """The plan extrapolates activations from a twin holding each block type (the first twice) to the model's depth
     and batch, and counts parameters from configs on the meta device. Checked against what real tensors hold:
     bytes saved for backward by a real-width model of a depth the twin does not have (SD3.5: 3 dual blocks, 1 plain,
-    the last; FLUX.1 and FLUX.2: 2 double, 3 single; Qwen-Image: 3) at 3 rows in bf16 autocast with LoRA, and the bytes train.load_pipeline
-    holds per component of a saved pipeline."""
-    cfg = train.Config(model=str(real_dirs / name), resolution=64, max_sequence_length=8)
+    the last; FLUX.1 and FLUX.2: 2 double, 3 single; Qwen-Image and Wan: 3; Wan on 9-frame videos) at 3 rows in bf16
+    autocast with LoRA, and the bytes train.load_pipeline holds per component of a saved pipeline (Wan's transformer
+    keeps its time embedder, norms and modulation tables in float32 in a bf16 load)."""
+    # Wan on 9 frames: 3 latent frames, which the plan extrapolates from 1 and 2
+    cfg = train.Config(model=str(real_dirs / name), resolution=64, max_sequence_length=8,
+                       num_frames=9 if "wan" in name else 0)
     family, components = models.meta_components(cfg.model)
+    pipeline_config = components.pop("pipeline_config", None)
     loaded = train.load_pipeline(cfg, family, torch.device("cpu"), torch.bfloat16)
     for component, module in components.items():
         held = [*loaded.pipe.components[component].parameters(), *loaded.pipe.components[component].buffers()]
@@ -3150,13 +3185,14 @@ def test_memory_plan_matches_a_measured_cpu_run_at_real_width(name, depth, real_
     with init_empty_weights(include_buffers=False):  # as activation_profile: Qwen-Image's rotary tables stay real
         deeper = type(components["transformer"]).from_config({**dict(components["transformer"].config), **depth})
     adapter = models.ADAPTERS[family]
+    settings = dict(resolution=64, max_sequence_length=8, num_frames=loaded.num_frames)
     profile = models.activation_profile(deeper, adapter, torch.bfloat16, partial(train.make_trainable, cfg=cfg),
-                                        settings=dict(resolution=64, max_sequence_length=8))
+                                        settings=settings, vae=components["vae"], pipeline_config=pipeline_config)
     real = models.materialize(deeper, torch.bfloat16, seed=1)
     train.make_trainable(real, cfg)
     rows = 3
-    measured = saved_for_backward(adapter_for(types.SimpleNamespace(transformer=real, vae_scale_factor=8), family,
-                                              torch.bfloat16, resolution=64), rows)
+    pipe = models.planning_pipe(real, components["vae"], adapter, pipeline_config)
+    measured = saved_for_backward(adapter(pipe, torch.bfloat16, sampling_steps=1, **settings), rows)
     planned = models.saved_bytes([profile["other"], *profile["blocks"]], rows)
     # Exact up to storages shared differently between blocks; measured: equal to the byte.
     print(f"planned {planned} measured {measured}")
@@ -3408,7 +3444,8 @@ BAD_NUMBERS = {
     "weight_decay": -0.1, "max_grad_norm": -1, "lora_rank": -1, "lora_alpha": 0, "micro_batch_size": 0,
     "rollout_batch_size": 0, "hsdp": -1, "max_skipped_steps": 0, "seed": -1, "log_every": 0, "eval_every": -1,
     "save_every": 0, "plan_world_size": -1, "plan_gpu_gb": -1, "eval_samples": 0, "ref_kl_coef": -0.1,
-    "ema_decay": 1.0, "hacking_z": 0, "hacking_window": 0, "max_x0_drift": -1,
+    "ema_decay": 1.0, "hacking_z": 0, "hacking_window": 0, "max_x0_drift": -1, "width": 40, "num_frames": -1,
+    "frame_interval": -1,
 }
 
 

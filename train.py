@@ -2,12 +2,13 @@
 
 Algorithm 1 of Tang et al., "Online Reinforcement Learning for Denoising Generative Models Is
 Easier than You Think" (arXiv 2604.23380); every equation lives in vgrpo.py, this file is the driver.
-Models: SD3 / SD3.5, FLUX.1, Qwen-Image and FLUX.2 [klein] (one adapter each in models.py).
+Models: SD3 / SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein] and Wan (text to video) (one adapter each in models.py).
 
     python train.py                                   # tiny SD3 built from configs: CPU, offline, minutes
     python train.py --model DIR_OR_HUB_ID --prompts prompts.txt --rewards pickscore:1,hpsv21:1
     torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic      # paper: SD3.5-M stage 1
     torchrun --nproc_per_node=8 train.py --preset flux --prompts hpdv2          # paper: FLUX.1-dev
+    torchrun --nproc_per_node=8 train.py --preset wan21 --prompts ocr           # video: Wan2.1-1.3B, Flow-GRPO's
     torchrun --nproc_per_node=8 train.py --resume runs/NAME                    # continue from the last checkpoint
     python train.py --preset flux --plan --plan_world_size 8 --plan_gpu_gb 80  # memory per GPU, before loading anything
     python evaluate.py --runs runs/NAME --prompts drawbench                     # base vs trained on a benchmark
