@@ -951,9 +951,9 @@ def toy_images(n: int, generator: torch.Generator) -> tuple[torch.Tensor, list[s
 
 def toy_videos(n: int, generator: torch.Generator, frames: int = TINY_FRAMES) -> tuple[torch.Tensor, list[str]]:
     """n 32 x 32 videos (n, frames, 3, 32, 32) in [0, 1]: a square of one of the 8 colours on grey moving 12 px from
-    the first frame to the last in one of the 4 directions of the motion reward, inside the frame throughout. Captions name the colour
-    (right 3 times in 4) and the direction (right 3 times in 5, else a random one): a generator fitted to them
-    follows the words imperfectly, leaving RL something to fix."""
+    the first frame to the last in one of the 4 directions of the motion reward, inside the frame throughout.
+    Captions name the colour (right 3 times in 4) and the direction (right 3 times in 5, else a random one): a
+    generator fitted to them follows the words imperfectly, leaving RL something to fix."""
     colors, ways = list(rewards.COLORS), list(rewards.DIRECTIONS)
     true_color, true_way = torch.randint(len(colors), (n,), generator=generator), torch.randint(len(ways), (n,), generator=generator)
     color = torch.tensor(list(rewards.COLORS.values()))[true_color]

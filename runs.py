@@ -26,6 +26,7 @@ import pickle
 import re
 import resource
 import shutil
+import signal
 import sys
 import textwrap
 import types
@@ -82,6 +83,26 @@ def one_line_errors():
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(error.exit_code) from None
+
+
+_ctrl_c = {"pressed": False}
+
+
+def remember_ctrl_c() -> None:
+    """Ctrl-C before the training loop raises KeyboardInterrupt as usual and is also remembered: a library that
+    swallows the exception (seen once in CI: a Ctrl-C during the tiny model's setup, and the run trained on for a
+    minute) cannot make the run go on, since stop_if_ctrl_c() raises it again before the first iteration."""
+    def handler(signum, frame):
+        _ctrl_c["pressed"] = True
+        raise KeyboardInterrupt
+
+    _ctrl_c["pressed"] = False
+    signal.signal(signal.SIGINT, handler)
+
+
+def stop_if_ctrl_c() -> None:
+    if _ctrl_c["pressed"]:
+        raise KeyboardInterrupt
 
 
 # Messages the libraries print on a default run that say nothing a user of this project can act on, matched by

@@ -2069,6 +2069,33 @@ def test_ctrl_c_before_the_first_iteration_stops_quietly(tmp_path):
     assert err.strip().splitlines()[-1] == "stopped (Ctrl-C) before the first iteration: nothing to save"
 
 
+def test_a_ctrl_c_that_a_library_swallows_during_setup_still_stops_before_training(tiny_dirs, tmp_path, monkeypatch,
+                                                                                  capsys):
+    """Seen once in CI: Ctrl-C one second into the tiny model's setup, and the run trained on for a minute (something
+    during setup caught the KeyboardInterrupt). Here the model loading catches it on purpose: the run still stops
+    before the first iteration, in one line, exit 130, nothing trained."""
+    real_load = train.load_pipeline
+
+    def swallowing_load(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)  # the handler runs here
+        except BaseException:  # what a library did
+            pass
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(train, "load_pipeline", swallowing_load)
+    monkeypatch.setattr(vgrpo, "vgrpo_update", lambda *a, **k: pytest.fail("training started after Ctrl-C"))
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train.main([str(a) for a in ("--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl",
+                                         "--run_dir", tmp_path, *SMALL_RUN)])
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped (Ctrl-C) before the first iteration: nothing to save"
+
+
 def test_nonfinite_rewards_stop_the_run_with_an_error_and_keep_the_last_good_checkpoint(tiny_dirs, tmp_path,
                                                                                           monkeypatch, capsys):
     """Iteration 1's rewards are NaN: the run stops with one line and a non-zero exit, saves nothing from it, exports

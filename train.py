@@ -90,9 +90,10 @@ class Config:
     resolution: int = arg(32, "image height and width in pixels (video models: the height, see --width)")
     width: int = arg(0, "video models: frame width in pixels (0 = --resolution, square)")
     num_frames: int = arg(0, "video models: frames per video, 1 + a multiple of 4 for Wan (e.g. 33, 81); 0 = the "
-                             "model's default (Wan 81, tiny-wan 9; image models 1)")
+                             "model's default (Wan 81, tiny-wan 5; image models 1)")
     max_sequence_length: int = arg(8, "text tokens per prompt (T5's; Qwen-Image: at most, after its template)")
-    tiny_fit_steps: int = arg(250, "tiny models only: steps fitting them to toy images before RL (0 = random weights)")
+    tiny_fit_steps: int = arg(250, "tiny models only: steps fitting them to toy images (videos) before RL (0 = random "
+                                   "weights)")
     # --- rewards
     rewards: str = arg("color", "name:weight,... from rewards.REWARDS, e.g. hpsv21:1,pickscore:1,clipscore:1")
     reward_options: str = arg("{}", "JSON {reward_name: {factory option: value}}, e.g. '{\"pickscore\": {\"model\": \"/ckpt\"}}'")
@@ -740,6 +741,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     first_x0_rms = next((m["x0_rms"] for m in earlier if "x0_rms" in m), None)
     tracker = runs.Tracker(run_dir, cfg, master, start)
     stop = {"requested": False}
+    runs.stop_if_ctrl_c()  # one pressed during setup that a library swallowed
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
         signal.signal(sig, lambda *_: stop.update(requested=True))
     history, skipped_run = [], 0
@@ -960,6 +962,7 @@ def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
 
 def main(argv: list[str] | None = None) -> None:
     runs.quiet_known_noise()
+    runs.remember_ctrl_c()
     with runs.one_line_errors():
         cfg = parse_config(argv)
         if cfg.plan:
