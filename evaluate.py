@@ -40,8 +40,8 @@ import train
 from runs import ConfigError
 
 # train.Config settings a row samples with; each is also a flag here.
-SAMPLER = ("model", "resolution", "max_sequence_length", "sampling_steps", "solver", "cfg_scale", "flux_guidance",
-           "dtype", "rollout_batch_size", "offload_text_encoders", "tiny_fit_steps", "seed")
+SAMPLER = ("model", "resolution", "width", "num_frames", "max_sequence_length", "sampling_steps", "solver", "cfg_scale",
+           "flux_guidance", "dtype", "rollout_batch_size", "offload_text_encoders", "tiny_fit_steps", "seed")
 GRID_PROMPTS = 8  # prompts shown per model in grid.png
 
 
@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, train
         given["rewards"] = args.rewards
     if args.preset and first_run:  # the preset's base model and sampler, not the run's
         given = {**{k: v for k, v in train.PRESETS[args.preset].items() if k in (*SAMPLER, "rewards")}, **given}
-    cfg = dataclasses.replace(cfg, **given, run_dir="", resume="")
+    # Evaluation scores exactly its rewards: a run's monitors are not trained on, so they can be among them.
+    cfg = dataclasses.replace(cfg, **given, run_dir="", resume="", monitor_rewards="")
     if args.samples_per_prompt < 1 or args.max_prompts < 0:
         raise ConfigError("--samples_per_prompt must be >= 1 and --max_prompts >= 0")
     if not (args.base or args.runs or args.loras):
@@ -102,7 +103,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, train
 def evaluation_prompts(args: argparse.Namespace, cfg: train.Config, say) -> tuple[str, list[prompt_sets.Prompt]]:
     """--prompts (a named set's test split by default), else the evaluation prompts of the first run."""
     spec = args.prompts or cfg.eval_prompts or prompt_sets.test_split(cfg.prompts) or cfg.prompts
-    listed = prompt_sets.load(spec, split="test", say=say) if spec else [prompt_sets.Prompt(p, {}) for p in models.TINY_PROMPTS]
+    listed = (prompt_sets.load(spec, split="test", say=say) if spec
+              else [prompt_sets.Prompt(p, {}) for p in models.tiny_prompts(models.model_family(cfg.model))])
     listed = listed[:args.max_prompts or None]
     prompt_sets.check_for_rewards(listed, rewards.parse_reward_spec(cfg.rewards), spec or "the built-in prompts")
     return spec or "tiny", listed

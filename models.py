@@ -533,6 +533,11 @@ TINY_PROMPTS = [f"a {color} {thing}" for color in rewards.COLORS for thing in ("
 TINY_VIDEO_PROMPTS = [f"a {color} square moving {way}" for color in rewards.COLORS for way in rewards.DIRECTIONS]
 TINY_FRAMES = 5  # tiny-wan's default --num_frames: 2 latent frames (the first frame, then 4 per latent frame)
 _TINY_WORDS = sorted({w for p in TINY_PROMPTS for w in p.split()} | {"photo", "of", "the"})
+
+
+def tiny_prompts(family: str) -> list[str]:
+    """The built-in prompts of a tiny model: the toy videos' for a video family, the toy images' else."""
+    return TINY_VIDEO_PROMPTS if ADAPTERS[family].video else TINY_PROMPTS
 _TINY_VIDEO_WORDS = sorted(set(_TINY_WORDS) | {w for p in TINY_VIDEO_PROMPTS for w in p.split()})
 
 

@@ -2664,6 +2664,21 @@ def run_evaluate(*args, nproc=0, timeout=600):
                           timeout=timeout)
 
 
+def test_evaluate_takes_a_video_runs_prompts_and_may_score_its_monitors(tmp_path):
+    """evaluate.py on a tiny-wan run: the built-in prompts are the video ones (the motion reward needs their direction
+    words), and --rewards may name the run's monitor (before: "already trained on", as validation met the run's
+    --monitor_rewards beside the evaluated rewards). Checked without a model: the configuration evaluate.py builds."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("iter-000000")
+    config = train.Config(preset="tiny-wan", **train.PRESETS["tiny-wan"])
+    (run / "config.json").write_text(json.dumps(asdict(config)))
+    args, cfg = evaluate.parse_args(["--runs", str(run), "--rewards", "color,motion"])
+    assert train.validate(cfg, 1) == "wan" and cfg.num_frames == config.num_frames
+    spec, listed = evaluate.evaluation_prompts(args, cfg, say=lambda *_: None)
+    assert [p.text for p in listed] == models.TINY_VIDEO_PROMPTS
+
+
 def test_evaluate_scores_base_run_and_export_side_by_side(sd3_run, tmp_path):
     """The same prompts and noise for every row: the exported LoRA scores exactly as the run's checkpoint, the base
     differently; the table has a 95% interval per reward; two processes give the same scores as one."""

@@ -947,9 +947,8 @@ def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
         raise ConfigError(f"--prompts is required for a real model: a .txt (one prompt per line) or .jsonl file, or a "
                           f"named set ({', '.join(prompt_sets.SETS)})")
     say = print if os.environ.get("RANK", "0") == "0" else (lambda _: None)
-    video = models.ADAPTERS[models.model_family(cfg.model)].video
     prompts = (prompt_sets.load(cfg.prompts, split="train", say=say) if cfg.prompts
-               else [Prompt(p, {}) for p in (models.TINY_VIDEO_PROMPTS if video else models.TINY_PROMPTS)])
+               else [Prompt(p, {}) for p in models.tiny_prompts(models.model_family(cfg.model))])
     eval_spec = cfg.eval_prompts or prompt_sets.test_split(cfg.prompts)
     listed = prompt_sets.load(eval_spec, split="test", say=say) if eval_spec else prompts[:cfg.eval_samples]
     eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]
