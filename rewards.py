@@ -165,21 +165,26 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 COLORS = {"red": (1.0, 0.0, 0.0), "green": (0.0, 1.0, 0.0), "blue": (0.0, 0.0, 1.0), "yellow": (1.0, 1.0, 0.0),
           "cyan": (0.0, 1.0, 1.0), "magenta": (1.0, 0.0, 1.0), "white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0)}
-_COLOR_WORD = re.compile(r"\b(" + "|".join(COLORS) + r")\b", re.IGNORECASE)
+
+
+def word_asked_for(prompt: str, metadata: dict | None, key: str, words, reward: str, noun: str) -> str:
+    """metadata[key] if given, else the first of `words` in the prompt (whole words, any case), lower-cased; a
+    ValueError naming `reward` and `noun` when there is none or it is not one of them."""
+    name = (metadata or {}).get(key)
+    if name is None:
+        match = re.search(r"\b(" + "|".join(words) + r")\b", prompt, re.IGNORECASE)
+        if match is None:
+            raise ValueError(f"the {reward} reward needs a {noun} word ({', '.join(words)}) in the prompt or "
+                             f"metadata['{key}']; got prompt {prompt!r}")
+        name = match.group(1)
+    if name.lower() not in words:
+        raise ValueError(f"unknown {noun} {name!r}; choose from {', '.join(words)}")
+    return name.lower()
 
 
 def prompt_color(prompt: str, metadata: dict | None = None) -> str:
     """The target colour: metadata["color"] if given, else the first colour word of the prompt."""
-    name = (metadata or {}).get("color")
-    if name is None:
-        match = _COLOR_WORD.search(prompt)
-        if match is None:
-            raise ValueError(f"the color reward needs a colour word ({', '.join(COLORS)}) in the prompt "
-                             f"or metadata['color']; got prompt {prompt!r}")
-        name = match.group(1)
-    if name.lower() not in COLORS:
-        raise ValueError(f"unknown colour {name!r}; choose from {', '.join(COLORS)}")
-    return name.lower()
+    return word_asked_for(prompt, metadata, "color", COLORS, "color", "colour")
 
 
 def color(*, device: str = "cpu") -> Reward:
@@ -195,21 +200,11 @@ def color(*, device: str = "cpu") -> Reward:
 
 
 DIRECTIONS = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # (x, y), y pointing down the image
-_DIRECTION_WORD = re.compile(r"\b(" + "|".join(DIRECTIONS) + r")\b", re.IGNORECASE)
 
 
 def prompt_direction(prompt: str, metadata: dict | None = None) -> str:
     """The direction of motion asked for: metadata["direction"] if given, else the first direction word of the prompt."""
-    name = (metadata or {}).get("direction")
-    if name is None:
-        match = _DIRECTION_WORD.search(prompt)
-        if match is None:
-            raise ValueError(f"the motion reward needs a direction word ({', '.join(DIRECTIONS)}) in the prompt or "
-                             f"metadata['direction']; got prompt {prompt!r}")
-        name = match.group(1)
-    if name.lower() not in DIRECTIONS:
-        raise ValueError(f"unknown direction {name!r}; choose from {', '.join(DIRECTIONS)}")
-    return name.lower()
+    return word_asked_for(prompt, metadata, "direction", DIRECTIONS, "motion", "direction")
 
 
 def object_centres(videos: torch.Tensor) -> torch.Tensor:
