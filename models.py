@@ -535,10 +535,21 @@ TINY_FRAMES = 5  # tiny-wan's default --num_frames: 2 latent frames (the first f
 _TINY_WORDS = sorted({w for p in TINY_PROMPTS for w in p.split()} | {"photo", "of", "the"})
 
 
+_TINY_VIDEO_WORDS = sorted(set(_TINY_WORDS) | {w for p in TINY_VIDEO_PROMPTS for w in p.split()})
+
+
 def tiny_prompts(family: str) -> list[str]:
     """The built-in prompts of a tiny model: the toy videos' for a video family, the toy images' else."""
     return TINY_VIDEO_PROMPTS if ADAPTERS[family].video else TINY_PROMPTS
-_TINY_VIDEO_WORDS = sorted(set(_TINY_WORDS) | {w for p in TINY_VIDEO_PROMPTS for w in p.split()})
+
+
+def in_eval_mode(pipe):
+    """pipe with every module in eval mode: fresh models are in train mode, and T5's dropout would make the text
+    embeddings random."""
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.eval()
+    return pipe
 
 
 def tiny_clip_tokenizer():
@@ -692,10 +703,7 @@ def tiny_wan_pipeline(seed: int = 0, expand_timesteps: bool = False):
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=UMT5EncoderModel(umt5), vae=vae, scheduler=scheduler,
                        transformer=transformer, expand_timesteps=expand_timesteps)
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval()
-    return pipe
+    return in_eval_mode(pipe)
 
 
 def tiny_qwen_pipeline(family: str):
@@ -735,10 +743,7 @@ def assemble_qwen_pipeline(family: str, transformer, scheduler, vae, text_encode
 
     cls = QwenImagePipeline if family == "qwenimage" else Flux2KleinPipeline
     pipe = cls(transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer)
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval()
-    return pipe
+    return in_eval_mode(pipe)
 
 
 def assemble_pipeline(family: str, transformer, scheduler, vae, *, clip_l, clip_g, t5, clip_tok, t5_tok):
@@ -755,10 +760,7 @@ def assemble_pipeline(family: str, transformer, scheduler, vae, *, clip_l, clip_
     else:
         pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=CLIPTextModel(clip_l), tokenizer=clip_tok,
                             text_encoder_2=T5EncoderModel(t5), tokenizer_2=t5_tok, transformer=transformer)
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval()  # fresh models are in train mode: T5 dropout would make the text embeddings random
-    return pipe
+    return in_eval_mode(pipe)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -912,10 +914,7 @@ def reduced_wan_pipeline(name: str, text_encoder=None, tokenizer=None):
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=AutoencoderKLWan(**{**spec["vae"], **narrow}),
                        transformer=reduced_transformer(name), scheduler=UniPCMultistepScheduler(**spec["scheduler"]),
                        **spec["pipeline"])
-    for module in pipe.components.values():
-        if isinstance(module, torch.nn.Module):
-            module.eval()
-    return pipe
+    return in_eval_mode(pipe)
 
 
 def reduced_transformer(name: str, full: bool = False):

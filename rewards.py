@@ -226,7 +226,8 @@ def object_centres(videos: torch.Tensor) -> torch.Tensor:
 def motion(*, device: str = "cpu") -> Reward:
     """Temporal, text-conditioned and verifiable; scores videos (B, F, 3, H, W): how far the object (object_centres)
     travels from the first frame to the last in the direction the prompt names, as a fraction of the frame's size
-    along it: in [-1, 1]; 0.5 for models.toy_videos (16 px on 32), 0 for a still video. (device: unused, no model.)"""
+    along it: in [-1, 1]; 0.375 for models.toy_videos (12 px on 32), 0 for a still video. (device: unused, no
+    model.)"""
 
     def reward(videos: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
         metadata = metadata or [None] * len(prompts)
