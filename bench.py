@@ -19,7 +19,7 @@
 5. GPU (CUDA only): images/s and step time at the real transformer sizes of each preset's model (SD3.5-Medium,
    FLUX.1-dev, Qwen-Image, FLUX.2 [klein] 4B; random weights), bf16, LoRA, activation checkpointing off and on;
    rollout images/s and model FLOP utilisation at the preset's micro-batch and rollout batch, eager and with each
-   block compiled (train.compile_blocks); a row that runs out of memory says so.
+   block compiled (parallel.compile_blocks); a row that runs out of memory says so.
 6. Real checkpoints (CUDA and the hub; `--sections 6`): the real-model-path checks the tests make at reduced
    depth on CPU, on each preset's checkpoint itself (SD3.5-Medium, FLUX.1-dev, Qwen-Image, FLUX.2 [klein] base 4B):
    Euler rollouts with the preset's guidance against `pipe(...)` called the plain way, one preset iteration,
@@ -27,7 +27,7 @@
    against the memory plan. `--sections 6 --reduced`: the same on real-width, reduced-depth
    pipelines with random weights built in place (no hub), as the tests build them.
 7. Scale: surrogate rows and interleaved wall time of the old-policy pass before/after computing s_old only where it
-   differs from the first gradient pass; FSDP2 all-gathers of a rollout with and without train.gathered_once.
+   differs from the first gradient pass; FSDP2 all-gathers of a rollout with and without parallel.gathered_once.
 8. Stability on the 2-D toy: learning rate 1e-3 .. 3e-2 against each gradient-step control (x-space KL, one gradient
    step, K, the timestep range) and the MDP baseline: divergence rate, runs reaching success, iterations and model
    evaluations to it, and how far the reward falls back after its best (`--sections 8`, 10 seeds: 6 minutes on 2 cores).
@@ -44,10 +44,8 @@ The toy settings are vgrpo.ToyConfig's defaults, chosen in section 8 for stabili
 """
 
 import argparse
-import contextlib
 import copy
 import json
-import math
 import os
 import re
 import subprocess
@@ -55,7 +53,6 @@ import sys
 import tempfile
 import time
 import types
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -64,8 +61,13 @@ import torch
 import torch.distributed as dist
 import torch.utils.flop_counter
 
+import adapters
+import baselines
+import builders
+import memory
 import models
-import rewards
+import parallel
+import rollouts
 import train
 import vgrpo
 
@@ -136,8 +138,8 @@ def toy_samples(model, P, G, seed):
 
 
 def tiny_sd3_samples(model, P, G, seed):
-    order = torch.randperm(len(models.TINY_PROMPTS), generator=torch.Generator().manual_seed(seed))
-    prompts = [models.TINY_PROMPTS[i] for i in order[:P]]
+    order = torch.randperm(len(builders.TINY_PROMPTS), generator=torch.Generator().manual_seed(seed))
+    prompts = [builders.TINY_PROMPTS[i] for i in order[:P]]
     cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode(prompts).items()}
     noise = torch.randn(P * G, *model.latent_shape(), generator=torch.Generator().manual_seed(seed))
     return vgrpo.sample_ode(model.velocity, noise, cond, model.timesteps()), cond
@@ -223,121 +225,6 @@ def section_ablations(toy_model, out: Path) -> tuple[str, dict]:
 # and stat tracker on the tiny SD3 pipeline (docs/benchmarks.md, "The Flow-GRPO baseline").
 
 
-@dataclass(frozen=True)
-class FlowGRPO:
-    noise_level: float = 0.7  # sample.noise_level: the SDE's sigma_t = a sqrt(t / (1 - t))
-    clip_range: float = 1e-4  # train.clip_range: the per-step ratio clip
-    adv_clip_max: float = 5.0  # train.adv_clip_max
-    beta: float = 0.04  # train.beta: KL to the reference policy (the GenEval and OCR configs; PickScore 0.01)
-    timestep_fraction: float = 0.99  # train.timestep_fraction: the first int(0.99 T) denoising steps are trained
-    # num_batches_per_epoch rollout batches, gradient_accumulation_steps = num_batches_per_epoch // 2: two optimizer
-    # steps per epoch, each over half the (shuffled) samples and all trained steps.
-    updates_per_batch: int = 2
-    weight_decay: float = 1e-4  # train.adam_weight_decay
-
-
-def sde_mean_std(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float):
-    """One Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
-        x' = x + (v + sigma^2 / (2t) (x + (1 - t) v)) dt + sigma sqrt(-dt) z,   sigma = a sqrt(t / (1 - t)),
-    dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score; t_cap keeps sigma finite at t = 1 (sigma's t = 1 is
-    replaced by the grid's second point). Returns the mean of x', sigma and the step's std sigma sqrt(-dt)."""
-    v = velocity(x, torch.full((x.shape[0],), t, device=x.device), cond)
-    dt = t_next - t
-    sigma = noise_level * math.sqrt(t / (1 - min(t, t_cap)))
-    return x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt, sigma, sigma * math.sqrt(-dt)
-
-
-def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
-    """Per-sample log-density of x under N(mean, std^2 I), averaged over dimensions (Flow-GRPO's convention)."""
-    return (-((x - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
-
-
-def flow_grpo_kl(mean: torch.Tensor, ref_mean: torch.Tensor, sigma: float) -> torch.Tensor:
-    """Flow-GRPO's per-step KL to the reference, per sample: ||mu - mu_ref||^2 averaged over dimensions, over 2 sigma^2.
-    It divides by the SDE's sigma^2, not by the step's variance sigma^2 |dt| that the exact KL between the two
-    Gaussian kernels has (smaller by |dt|: x10 at 10 steps)."""
-    return ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * sigma**2)
-
-
-def sample_sde(velocity, x, grid: list[float], cond, fg: FlowGRPO, generator) -> tuple[torch.Tensor, list]:
-    """An SDE rollout over the grid (noise on every step, the last included): the final sample and the path
-    [(x_t, t, t_next, x_next, log_prob)] the update replays."""
-    path = []
-    with torch.no_grad():
-        for t, t_next in zip(grid[:-1], grid[1:]):
-            mean, _, std = sde_mean_std(velocity, x, t, t_next, cond, noise_level=fg.noise_level, t_cap=grid[1])
-            x_next = mean + std * torch.randn(x.shape, generator=generator).to(x.device)
-            path.append((x, t, t_next, x_next, gaussian_log_prob(x_next, mean, std)))
-            x = x_next
-    return x, path
-
-
-def rows_of(cond, index: torch.Tensor):
-    return {k: v[index] for k, v in cond.items()} if isinstance(cond, dict) else cond[index]
-
-
-def flow_grpo_update(velocity, reference, path: list, cond, adv: torch.Tensor, optimizer, params: list, fg: FlowGRPO,
-                     *, t_cap: float, max_grad_norm: float, generator) -> int:
-    """Flow-GRPO's training phase on one rollout batch: samples with a zero advantage dropped (a random few kept
-    so that the rest splits evenly), the others shuffled and split into updates_per_batch optimizer steps; each step
-    averages over its samples and the first int(timestep_fraction T) denoising steps
-        max(-A r_t, -A clip(r_t, 1 -+ clip_range)) + beta KL_t,   r_t = p_theta(x_next | x_t) / p_old(x_next | x_t),
-    A clipped to +-adv_clip_max; reference(x, t, cond) is the reference policy's velocity; t_cap as sample_sde's
-    (the grid's second point). Returns how many samples
-    were trained (each costs a forward and a backward of the policy and a forward of the reference per step)."""
-    updates, trained = fg.updates_per_batch, int(len(path) * fg.timestep_fraction)
-    keep = adv != 0
-    dropped = torch.where(~keep)[0]
-    short = (updates - int(keep.sum()) % updates) % updates
-    if short and len(dropped) >= short:
-        keep[dropped[torch.randperm(len(dropped), generator=generator)[:short]]] = True
-    index = torch.where(keep)[0]
-    index = index[torch.randperm(len(index), generator=generator)]
-    adv = adv.clamp(-fg.adv_clip_max, fg.adv_clip_max)
-    for rows in index.chunk(updates):
-        for x_t, t, t_next, x_next, old in path[:trained]:
-            c = rows_of(cond, rows)
-            kernel = partial(sde_mean_std, x=x_t[rows], t=t, t_next=t_next, cond=c, noise_level=fg.noise_level,
-                             t_cap=t_cap)
-            mean, sigma, std = kernel(velocity)
-            with torch.no_grad():
-                ref_mean, _, _ = kernel(reference)
-            ratio = (gaussian_log_prob(x_next[rows], mean, std) - old[rows]).exp()
-            a = adv[rows]
-            policy = torch.max(-a * ratio, -a * ratio.clamp(1 - fg.clip_range, 1 + fg.clip_range)).mean()
-            ((policy + fg.beta * flow_grpo_kl(mean, ref_mean, sigma).mean()) / trained).backward()
-        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-    return len(index)
-
-
-def flow_grpo_toy(model, cfg: vgrpo.ToyConfig, fg: FlowGRPO = FlowGRPO()) -> list[dict]:
-    """Flow-GRPO on the toy: cfg's prompts, group size, sampling steps, lr, seed and iterations; the reference is the
-    pretrained model (frozen); advantages per group over the batch's std (PerPromptStatTracker with global_std, each
-    group its own prompt)."""
-    g = torch.Generator().manual_seed(cfg.seed)
-    reference = copy.deepcopy(model).requires_grad_(False)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
-    grid = vgrpo.flow_timesteps(cfg.sampling_steps).tolist()
-    P, G, T = cfg.num_prompts, cfg.group_size, cfg.sampling_steps
-    history, fwd, bwd, start = [], 0, 0, time.perf_counter()
-    for _ in range(cfg.iterations):
-        c = torch.randint(len(vgrpo.TOY_MODES), (P,), generator=g).repeat_interleave(G)
-        x, path = sample_sde(model, torch.randn(P * G, 2, generator=g), grid, c, fg, g)
-        rewards = vgrpo.toy_reward(x, c)
-        adv = vgrpo.group_advantages(rewards.view(P, G), global_std=True).flatten()
-        n = flow_grpo_update(model, reference, path, c, adv, optimizer, params, fg, t_cap=grid[1], max_grad_norm=1.0,
-                             generator=g)
-        steps = int(T * fg.timestep_fraction)
-        fwd, bwd = fwd + P * G * T + 2 * n * steps, bwd + n * steps  # rollout; policy and reference forwards; backwards
-        frac, dist = vgrpo.toy_mode_stats(x, c)
-        history.append({"reward_mean": rewards.mean().item(), "frac_target_mode": frac, "mode_dist": dist,
-                        "nfe_fwd": fwd, "nfe_bwd": bwd, "seconds": time.perf_counter() - start})
-    return history
-
-
 def counted_vgrpo_toy(model, cfg: vgrpo.ToyConfig) -> list[dict]:
     """vgrpo.train_toy with cumulative model evaluations added to its history."""
     history = vgrpo.train_toy(model, cfg)
@@ -396,7 +283,7 @@ MDP_TOY_LRS = (1e-3, 3e-3, 1e-2)
 
 
 def section_mdp(toy_model, out: Path, lrs=MDP_TOY_LRS, seeds=SEEDS, iterations: int = 100) -> tuple[str, dict]:
-    methods = {"V-GRPO": counted_vgrpo_toy, MDP: flow_grpo_toy}
+    methods = {"V-GRPO": counted_vgrpo_toy, MDP: baselines.flow_grpo_toy}
     runs = {name: {lr: [run(copy.deepcopy(toy_model), vgrpo.ToyConfig(iterations=iterations, lr=lr, seed=seed))
                         for seed in seeds] for lr in lrs} for name, run in methods.items()}
     costs = {name: {lr: [toy_cost(h) for h in hs] for lr, hs in by_lr.items()} for name, by_lr in runs.items()}
@@ -409,7 +296,7 @@ def section_mdp(toy_model, out: Path, lrs=MDP_TOY_LRS, seeds=SEEDS, iterations: 
     text = ("Same pretrained toy model, reward, prompts per iteration (8 x 16), 16 sampling steps and seeds "
             f"{seeds[0]}-{seeds[-1]}; AdamW at each learning rate, up to {iterations} iterations. V-GRPO: ToyConfig's "
             "defaults (ODE rollouts, K = 4, 4 gradient steps per batch, ratio clip 0.01, x-space KL 0.3). " + MDP + ": "
-            "bench.flow_grpo_toy with Flow-GRPO's published settings (FlowGRPO: SDE rollouts of noise level 0.7, "
+            "baselines.flow_grpo_toy with Flow-GRPO's published settings (FlowGRPO: SDE rollouts of noise level 0.7, "
             "per-step ratio clip 1e-4, advantages per group over the batch's std and clipped at 5, KL 0.04 to the "
             "pretrained model, 15 of 16 steps trained, two optimizer steps per batch, weight decay 1e-4). Success: at "
             f"least {SUCCESS:.0%} of an iteration's rollouts in the requested mode; NFE = forward + backward model "
@@ -459,7 +346,7 @@ def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, 
             histories = []
             for seed in STABILITY_SEEDS:
                 cfg = vgrpo.ToyConfig(iterations=iterations, seed=seed, lr=lr, **(over or {}))
-                run = counted_vgrpo_toy if over is not None else flow_grpo_toy
+                run = counted_vgrpo_toy if over is not None else baselines.flow_grpo_toy
                 histories.append(run(copy.deepcopy(toy_model), cfg))
             rows.append(stability_row(name, lr, histories))
             curves[f"{name} @ {lr:g}"] = [[x["reward_mean"] for x in h] for h in histories]
@@ -484,16 +371,6 @@ def section_stability(toy_model, out: Path, iterations: int = 40) -> tuple[str, 
 SD3_THRESHOLDS = (0.60, 0.61, 0.62)  # eval reward (color) on 32 prompts x 4 fixed noises; the fitted model starts near 0.575
 
 
-@contextlib.contextmanager
-def adapters_disabled(transformer):
-    """The reference policy: the transformer with its LoRA switched off."""
-    transformer.disable_adapters()
-    try:
-        yield
-    finally:
-        transformer.enable_adapters()
-
-
 def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_every: int, flags=()) -> list[dict]:
     """train.py itself (tiny preset) on a saved pipeline; per iteration the eval reward where evaluated, and the model
     evaluations (forward + backward) and training seconds (evaluations excluded) so far."""
@@ -508,55 +385,6 @@ def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_e
         nfe += cfg["num_prompts"] * cfg["group_size"] * (m["nfe_rollout"] + m["nfe_old"] + 2 * m["nfe_grad"])
         seconds += m["time_rollout"] + m["time_reward"] + m["time_update"]
         history.append(dict(reward_mean=m["reward_mean"], eval=m.get("eval/reward_mean"), nfe=nfe, seconds=seconds))
-    return history
-
-
-def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, steps: int = 10,
-                  fg: FlowGRPO = FlowGRPO(), flags=()) -> list[dict]:
-    """Flow-GRPO (FlowGRPO's settings, flow_grpo_update) on train.py's adapter, prompts, rewards, LoRA (r 32, alpha 64,
-    Gaussian init, the attention projections: Flow-GRPO's), AdamW, rollout noise and evaluation: SDE rollouts of
-    `steps` steps, advantages per prompt over the batch's std, the reference the LoRA switched off. History as
-    vgrpo_sd3's; flags: train.py flags for both (--lr sets this one's too)."""
-    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
-    device = torch.device("cpu")
-    torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
-    model = train.load_pipeline(cfg, "sd3", device, torch.float32)
-    train.make_trainable(model.transformer, cfg)
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
-    weights = rewards.parse_reward_spec(cfg.rewards)
-    reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
-    prompts = [train.Prompt(p, {}) for p in models.TINY_PROMPTS]
-    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
-    grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
-                       max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
-
-    def reference(x, t, cond):
-        with adapters_disabled(model.transformer):
-            return model.velocity(x, t, cond)
-
-    P, G, trained_steps = cfg.num_prompts, cfg.group_size, int(steps * fg.timestep_fraction)
-    g = torch.Generator().manual_seed(seed)
-    history, nfe, seconds = [], 0, 0.0
-    for it in range(iterations):
-        start = time.perf_counter()
-        batch = [prompts[i] for i in train.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
-        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
-        noise = train.initial_noise(cfg, model, "rollout", it, range(P * G), device)
-        x, path = sample_sde(model.velocity, noise, grid, cond, fg, g)
-        images = model.decode(x)
-        scores = {n: fn(images, [p.text for p in batch], [p.metadata for p in batch]).float() for n, fn in reward_fns.items()}
-        reward = sum(w * scores[n] for n, w in weights.items())
-        adv = vgrpo.group_advantages(reward.view(P, G), global_std=True).flatten()
-        n = flow_grpo_update(model.velocity, reference, path, cond, adv, optimizer, params, fg, t_cap=grid[1],
-                             max_grad_norm=cfg.max_grad_norm, generator=g)
-        seconds += time.perf_counter() - start
-        nfe += P * G * steps + 3 * n * trained_steps  # rollout; per trained step a forward, a backward, a reference forward
-        entry = dict(reward_mean=reward.mean().item(), eval=None, nfe=nfe, seconds=seconds)
-        if it % eval_every == 0 or it == iterations - 1:
-            entry["eval"] = train.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
-                                           None)["eval/reward_mean"]
-        history.append(entry)
     return history
 
 
@@ -582,11 +410,11 @@ def section_sd3_stability(out: Path, seeds=SEEDS, lrs: dict = SD3_LRS, iteration
     """train.py's tiny preset and flow_grpo_sd3 at each learning rate of lrs, from one fitted pipeline."""
     root = Path(tempfile.mkdtemp())
     fit_steps = train.Config().tiny_fit_steps if fit_steps is None else fit_steps
-    models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
-    (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(models.TINY_PROMPTS) + "\n")  # train.py's built-in ones
+    builders.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
+    (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(builders.TINY_PROMPTS) + "\n")  # train.py's built-in ones
     runs = {"V-GRPO": {lr: [vgrpo_sd3(root / "tiny-sd3", root / f"{lr:g}-{seed}", seed, iterations["V-GRPO"], eval_every,
                                       (*flags, "--lr", f"{lr:g}")) for seed in seeds] for lr in lrs["V-GRPO"]},
-            MDP: {lr: [flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every, flags=(*flags, "--lr", f"{lr:g}"))
+            MDP: {lr: [baselines.flow_grpo_sd3(root / "tiny-sd3", seed, iterations[MDP], eval_every, flags=(*flags, "--lr", f"{lr:g}"))
                        for seed in seeds] for lr in lrs[MDP]}}
     return sd3_stability_report(runs, out, seeds=seeds, iterations=iterations, eval_every=eval_every,
                                 fit_steps=fit_steps)
@@ -615,7 +443,7 @@ def sd3_stability_report(runs: dict, out: Path, *, seeds, iterations: dict, eval
             f"clip 0.01, x-space KL {train.PRESETS['tiny']['kl_coef']:g}), {iterations['V-GRPO']} iterations. {MDP}: "
             f"flow_grpo_sd3 with Flow-GRPO's published settings (10 SDE steps of noise level 0.7, 9 trained, ratio clip 1e-4, advantages per prompt "
             f"over the batch's std, clipped at 5, KL 0.04 to the LoRA switched off, two optimizer steps per batch, "
-            f"weight decay 1e-4), {iterations[MDP]} iterations. All evaluated by train.evaluate every {eval_every} "
+            f"weight decay 1e-4), {iterations[MDP]} iterations. All evaluated by rollouts.evaluate every {eval_every} "
             "iterations on 32 prompts x 4 fixed noises with the 8-step Euler ODE. NFE = forward + backward model "
             "evaluations of training (rollouts included, evaluations not); seconds likewise; fall-back = best eval minus "
             "the lowest eval after it (median / largest over seeds; the last column: seeds falling back more than 0.01)."
@@ -657,8 +485,8 @@ def section_hacking(out: Path, seeds=SEEDS, iterations: int = 40, eval_every: in
                     variants: dict = HACKING_VARIANTS) -> tuple[str, dict]:
     root = Path(tempfile.mkdtemp())
     fit_steps = train.Config().tiny_fit_steps if fit_steps is None else fit_steps
-    models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
-    (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(models.TINY_PROMPTS) + "\n")
+    builders.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps).save_pretrained(root / "tiny-sd3")
+    (root / "tiny-sd3" / "prompts.txt").write_text("\n".join(builders.TINY_PROMPTS) + "\n")
     runs = {name: [hacking_run(root / "tiny-sd3", root / f"{i}-{seed}", seed, iterations, eval_every, flags)
                    for seed in seeds] for i, (name, flags) in enumerate(variants.items())}
     return hacking_report(runs, out, seeds=seeds, iterations=iterations, eval_every=eval_every, fit_steps=fit_steps)
@@ -734,7 +562,7 @@ def update_vs_floor(model, cond: dict, *, samples: int, num_mc: int, lora_rank: 
     transformer, which gets the LoRA adapter); cond is one prompt's conditioning, shared by all samples."""
     transformer = model.transformer
     if lora_rank:
-        transformer.add_adapter(train.lora_config(train.Config(lora_rank=lora_rank, lora_alpha=2 * lora_rank)))
+        transformer.add_adapter(models.lora_config(train.Config(lora_rank=lora_rank, lora_alpha=2 * lora_rank)))
     else:
         transformer.requires_grad_(True)
     if grad_checkpointing:
@@ -767,10 +595,10 @@ def update_vs_floor(model, cond: dict, *, samples: int, num_mc: int, lora_rank: 
     return {"floor_s": floor_s, "step_s": step_s, "ratio": step_s / floor_s}
 
 
-def tiny_model(fit_steps: int = 0) -> models.SD3:
+def tiny_model(fit_steps: int = 0) -> adapters.SD3:
     """The tiny SD3 pipeline of train.py behind its adapter."""
     cfg = train.Config()
-    return models.SD3(models.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), resolution=cfg.resolution,
+    return adapters.SD3(builders.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), resolution=cfg.resolution,
                       sampling_steps=cfg.sampling_steps, max_sequence_length=cfg.max_sequence_length)
 
 
@@ -848,7 +676,7 @@ def old_pass_saving(model, cond: dict, *, samples: int = 32, num_mc: int = 4, nu
 
 GATHER_WORKER = """
 import json, sys, torch, torch.distributed as dist
-import models, train, vgrpo
+import adapters, builders, parallel, vgrpo
 dist.init_process_group("gloo")
 calls = {"n": 0, "bytes": 0}
 all_gather_single = dist.all_gather_single
@@ -858,14 +686,14 @@ def counted(output, *args, **kwargs):  # FSDP2's one all-gather per unit
     return all_gather_single(output, *args, **kwargs)
 dist.all_gather_single = counted
 torch.manual_seed(0)
-model = models.SD3(models.tiny_pipeline("sd3"), resolution=32, sampling_steps=int(sys.argv[2]), max_sequence_length=8)
-train.apply_fsdp(model.transformer, torch.device("cpu"), torch.float32)
+model = adapters.SD3(builders.tiny_pipeline("sd3"), resolution=32, sampling_steps=int(sys.argv[2]), max_sequence_length=8)
+parallel.apply_fsdp(model.transformer, torch.device("cpu"), torch.float32)
 noise = torch.randn(2, *model.latent_shape(), generator=torch.Generator().manual_seed(dist.get_rank()))
 cond = model.encode(["a red car", "a blue flower"])
 out = {}
 for once in (True, False):  # once first: FSDP2 leaves the root unsharded after the per-step pass
     calls.update(n=0, bytes=0)
-    with train.gathered_once(model.transformer) if once else torch.no_grad():
+    with parallel.gathered_once(model.transformer) if once else torch.no_grad():
         x = vgrpo.sample_ode(model.velocity, noise, cond, model.timesteps())
     out[str(once)] = dict(calls), x.tolist()
     if once:  # every unit, the root included, is sharded again after the block
@@ -879,28 +707,21 @@ dist.destroy_process_group()
 
 def rollout_all_gathers(steps: int = 6) -> dict:
     """FSDP2 all-gather calls and bytes of one Euler rollout of `steps` steps on the tiny SD3 transformer sharded
-    over 2 gloo ranks, per ODE step ("False") and with train.gathered_once ("True"), and the samples of each."""
+    over 2 gloo ranks, per ODE step ("False") and with parallel.gathered_once ("True"), and the samples of each."""
     with tempfile.TemporaryDirectory() as tmp:
         worker, out = Path(tmp) / "worker.py", Path(tmp) / "out.json"
         worker.write_text(GATHER_WORKER)
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "OMP_NUM_THREADS": "1"}
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                str(worker), str(out), str(steps)], env=env, capture_output=True, text=True, timeout=300)
-        if proc.returncode and not (out.is_file() and gloo_teardown_abort(proc.stdout + proc.stderr)):
+        if proc.returncode and not (out.is_file() and parallel.gloo_teardown_abort(proc.stdout + proc.stderr)):
             raise RuntimeError(proc.stdout[-3000:] + proc.stderr[-3000:])
         return json.loads(out.read_text())
 
 
-def gloo_teardown_abort(output: str) -> bool:
-    """A torchrun worker aborted with 'terminate called without an active exception' (exit -6) while gloo was torn
-    down after its work: an upstream c10d teardown race (pytorch/pytorch#190489, #179291), seen in about 1 of 60 CI
-    launches and never in 30 stressed local ones. Callers accept it only with proof that every rank finished."""
-    return "terminate called without an active exception" in output and "exitcode: -6" in output
-
-
 def section_scale() -> tuple[str, dict]:
     model = tiny_model()
-    model.transformer.add_adapter(train.lora_config(train.Config()))
+    model.transformer.add_adapter(models.lora_config(train.Config()))
     cond = model.encode(["a red car"])
     saving = {n: old_pass_saving(model, cond, num_grad_steps=n) for n in (1, 2)}
     gathers = rollout_all_gathers(steps=8)
@@ -913,7 +734,7 @@ def section_scale() -> tuple[str, dict]:
             + table(["gradient steps", "rows before", "rows after", "ms before", "ms after", "after / before"], rows)
             + f"\n\nFSDP2 rollouts (tiny SD3: 2 blocks + root, 2 gloo ranks, 8 Euler steps): {per_step['n']} all-gathers, "
             f"{per_step['bytes'] / 1e6:.2f} MB gathered per rank when every step re-gathers; {once['n']} all-gathers, "
-            f"{once['bytes'] / 1e6:.2f} MB with train.gathered_once (samples identical: "
+            f"{once['bytes'] / 1e6:.2f} MB with parallel.gathered_once (samples identical: "
             f"{gathers['False'][1] == gathers['True'][1]}).")
     return text, {"old_pass": saving, "all_gathers": {"per_step": per_step, "once": once}}
 
@@ -921,17 +742,17 @@ def section_scale() -> tuple[str, dict]:
 # ----------------------------------------------------------------------------------------------
 # 5. GPU: the paper's model sizes, random weights
 
-# preset -> (models.REAL_CONFIGS name, rows per forward: the preset's micro-batch, 8 for SD3.5-M as first measured)
+# preset -> (builders.REAL_CONFIGS name, rows per forward: the preset's micro-batch, 8 for SD3.5-M as first measured)
 GPU_MODELS = {"sd35m": ("sd3.5-medium", 8), "flux": ("flux.1-dev", 2), "qwenimage": ("qwen-image", 2),
               "flux2": ("flux.2-klein-4b", 4)}
 
 
 def real_sizes(gpu_models: dict = GPU_MODELS) -> dict:
-    """Section 5's rows: each preset's transformer at its published size (models.REAL_CONFIGS) with the preset's
+    """Section 5's rows: each preset's transformer at its published size (builders.REAL_CONFIGS) with the preset's
     resolution, sampling steps, text length and CFG scale."""
     sizes = {}
     for preset, (name, samples) in gpu_models.items():
-        p, spec = train.PRESETS[preset], models.REAL_CONFIGS[name]
+        p, spec = train.PRESETS[preset], builders.REAL_CONFIGS[name]
         sizes[preset] = dict(family=spec["family"], config=spec["transformer"], resolution=p["resolution"],
                              steps=p["sampling_steps"], tokens=p["max_sequence_length"], cfg=p.get("cfg_scale", 1.0),
                              samples=samples)
@@ -966,8 +787,8 @@ def random_transformer(family: str, config: dict, device, dtype) -> torch.nn.Mod
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):  # Qwen-Image's rotary tables are plain tensors: keep them real
-        meta = getattr(diffusers, models.TRANSFORMER_CLASSES[family]).from_config(config)
-    return models.materialize(meta, dtype, device=device).eval()
+        meta = getattr(diffusers, builders.TRANSFORMER_CLASSES[family]).from_config(config)
+    return memory.materialize(meta, dtype, device=device).eval()
 
 
 class RandomModel:
@@ -977,9 +798,9 @@ class RandomModel:
         self.transformer = random_transformer(spec["family"], spec["config"], device, dtype)
         self.transformer.requires_grad_(False)
         if dist.is_initialized():  # under torchrun: FSDP2 over the visible GPUs, as train.py does
-            train.apply_fsdp(self.transformer, device, dtype)
+            parallel.apply_fsdp(self.transformer, device, dtype)
         pipe = types.SimpleNamespace(transformer=self.transformer, vae_scale_factor=8)  # all the adapter reads
-        adapter = models.ADAPTERS[spec["family"]](pipe, dtype, resolution=spec["resolution"], sampling_steps=spec["steps"],
+        adapter = adapters.ADAPTERS[spec["family"]](pipe, dtype, resolution=spec["resolution"], sampling_steps=spec["steps"],
                                                   max_sequence_length=spec["tokens"])
         self.velocity, self.latent_shape, self.guided = adapter.velocity, adapter.latent_shape, adapter.guided
         # encode()'s shapes from the adapter; random values, except a text mask (Qwen-Image's), which stays all ones
@@ -1000,7 +821,7 @@ def peak_tflops(device) -> float | None:
 
 def rollout_row(spec: dict, batch: int, device, dtype, repeats: int, backend: str) -> dict:
     """Rollout throughput of one preset at `batch` samples per sampling call: a sampling step's seconds eager and
-    with each block compiled (train.compile_blocks), its FLOPs (torch's FlopCounterMode, both CFG halves counted),
+    with each block compiled (parallel.compile_blocks), its FLOPs (torch's FlopCounterMode, both CFG halves counted),
     images/s over the preset's steps and model FLOP utilisation against the card's bf16 peak."""
     model = RandomModel(spec, device, dtype)
     cond = {k: v.expand(batch, *v.shape[1:]).to(device) for k, v in model.cond_template.items()}
@@ -1014,7 +835,7 @@ def rollout_row(spec: dict, batch: int, device, dtype, repeats: int, backend: st
         with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
             velocity(noise, t, cond)
         eager_s, = median_seconds(step, repeats=repeats)
-        train.compile_blocks(model.transformer, backend)
+        parallel.compile_blocks(model.transformer, backend)
         step()  # compiles; median_seconds warms up once more
         compiled_s, = median_seconds(step, repeats=repeats)
     peak = peak_tflops(device)
@@ -1031,7 +852,7 @@ def section_gpu(sizes: dict | None = None, device=None, dtype=torch.bfloat16, re
     """rollout_batches: {preset: sampling calls' batch sizes} for the rollout table (default: the training table's
     batch and the preset's rollout_batch_size)."""
     device, sizes = device or torch.device("cuda"), sizes or real_sizes()
-    models.avoid_cudnn_attention()  # as train.py does
+    adapters.avoid_cudnn_attention()  # as train.py does
     rows, results = [], {}
 
     def guarded(key: str, measure, row_of, width: int) -> None:
@@ -1071,7 +892,7 @@ def section_gpu(sizes: dict | None = None, device=None, dtype=torch.bfloat16, re
             + ", ".join(f"{n} {spec['steps']}" for n, spec in sizes.items()) + ").\n\n"
             + table(["model", "activation ckpt", "batch", "ms per sampling step", "rollout images/s", "ms per update",
                      "update / (fwd + bwd)", "peak GiB"], rows[0])
-            + f"\n\nRollouts, no LoRA, eager and with each transformer block compiled ({backend}, train.compile_blocks; "
+            + f"\n\nRollouts, no LoRA, eager and with each transformer block compiled ({backend}, parallel.compile_blocks; "
             f"--compile {backend}): TFLOP per sampling step counted by torch's FlopCounterMode; MFU = FLOP/s against "
             + (f"the card's dense bf16 peak, {peak:g} TFLOP/s" if peak else "a known card's dense bf16 peak (none here)")
             + ".\n\n" + table(["model", "batch", "TFLOP per step", "eager ms", "eager images/s", "eager MFU",
@@ -1083,14 +904,14 @@ def section_gpu(sizes: dict | None = None, device=None, dtype=torch.bfloat16, re
 # 6. The real-model path on real weights (GPU and hub): what the tests check at reduced depth on CPU
 
 REAL_MODELS = {preset: train.PRESETS[preset]["model"] for preset in GPU_MODELS}
-REDUCED = {preset: name for preset, (name, _) in GPU_MODELS.items()}  # preset -> models.REAL_CONFIGS name
+REDUCED = {preset: name for preset, (name, _) in GPU_MODELS.items()}  # preset -> builders.REAL_CONFIGS name
 
 
 def reduced_checkpoints(root: Path) -> dict:
-    """Section 6 without the hub: each preset's pipeline at real width and reduced depth (models.reduced_pipeline,
+    """Section 6 without the hub: each preset's pipeline at real width and reduced depth (builders.reduced_pipeline,
     random weights), saved under root."""
     for preset, name in REDUCED.items():
-        models.reduced_pipeline(name).save_pretrained(root / name)
+        builders.reduced_pipeline(name).save_pretrained(root / name)
     return {preset: root / name for preset, name in REDUCED.items()}
 
 
@@ -1128,7 +949,7 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
     from torch.distributed.checkpoint import FileSystemReader
 
     device = device or torch.device("cuda")
-    models.avoid_cudnn_attention()  # as train.py does
+    adapters.avoid_cudnn_attention()  # as train.py does
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows, results = [], {}
     for preset, model_id in model_ids.items():
@@ -1139,18 +960,18 @@ def section_real_models(model_ids: dict = REAL_MODELS, device=None, small_run: t
                     "--rewards", "color:1", "--num_prompts", "1", "--group_size", "2", "--micro_batch_size", "1",
                     "--rollout_batch_size", "2", "--iterations", "1", "--eval_every", "0", *small_run]
             cfg = train.parse_config(args)
-            model = train.load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
+            model = models.load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
             g = torch.Generator().manual_seed(0)
             noise = torch.randn(1, *model.latent_shape(), generator=g).to(device)
-            ours = vgrpo.sample_ode(train.guided_velocity(cfg, model, device), noise, encode_on(model, ["a red car on a street"], device),
+            ours = vgrpo.sample_ode(rollouts.guided_velocity(cfg, model, device), noise, encode_on(model, ["a red car on a street"], device),
                                     model.timesteps())
             model.pipe.to(device)  # the plain call encodes on the pipeline's device; load_pipeline offloads the encoders
             theirs = plain_pipeline_latents(model, cfg, "a red car on a street", noise)
             rollout_diff = ((ours - theirs).norm() / theirs.norm()).item()
             subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), *args], check=True)
             measured = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["peak_memory_gb"]
-            planned = (models.plan_memory(cfg, models.model_family(cfg.model), 1, torch.cuda.get_device_properties(device)
-                                          .total_memory / models.GiB, partial(train.make_trainable, cfg=cfg))[0].peak
+            planned = (memory.plan_memory(cfg, models.model_family(cfg.model), 1, torch.cuda.get_device_properties(device)
+                                          .total_memory / memory.GiB, partial(models.make_trainable, cfg=cfg))[0].peak
                        if device.type == "cuda" else float("nan"))
             latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text()
             metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata

@@ -32,12 +32,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import adapters
+import builders
+import failures
 import models
+import parallel
 import prompts as prompt_sets
 import rewards
+import rollouts
 import runs
 import train
-from runs import ConfigError
+from failures import ConfigError
 
 # train.Config settings a row samples with; each is also a flag here.
 SAMPLER = ("model", "resolution", "width", "num_frames", "max_sequence_length", "sampling_steps", "solver", "cfg_scale",
@@ -104,7 +109,7 @@ def evaluation_prompts(args: argparse.Namespace, cfg: train.Config, say) -> tupl
     """--prompts (a named set's test split by default), else the evaluation prompts of the first run."""
     spec = args.prompts or cfg.eval_prompts or prompt_sets.test_split(cfg.prompts) or cfg.prompts
     listed = (prompt_sets.load(spec, split="test", say=say) if spec
-              else [prompt_sets.Prompt(p, {}) for p in models.tiny_prompts(models.model_family(cfg.model))])
+              else [prompt_sets.Prompt(p, {}) for p in builders.tiny_prompts(models.model_family(cfg.model))])
     listed = listed[:args.max_prompts or None]
     prompt_sets.check_for_rewards(listed, rewards.parse_reward_spec(cfg.rewards), spec or "the built-in prompts")
     return spec or "tiny", listed
@@ -123,12 +128,12 @@ class Collected:
         return scores
 
 
-def load_row(name: str, cfg: train.Config, family: str, device, dtype) -> models.FlowAdapter:
+def load_row(name: str, cfg: train.Config, family: str, device, dtype) -> adapters.FlowAdapter:
     """The model of one row, frozen, sampling as cfg says."""
     kind, _, path = name.partition(":")
     if kind == "run":
         return train.load_trained(Path(path), device, dtype, {k: getattr(cfg, k) for k in SAMPLER if k != "model"})
-    model = train.load_pipeline(cfg, family, device, dtype)
+    model = models.load_pipeline(cfg, family, device, dtype)
     if kind == "lora":
         model.pipe.load_lora_weights(path)
     return model
@@ -138,13 +143,13 @@ def sample_row(name: str, cfg: train.Config, family: str, listed: list, samples:
                rank: int, world: int) -> tuple[Row, torch.Tensor]:
     """This rank's samples (global sample k = prompt k // samples, noise k) of one row, scored; and the images of
     the first GRID_PROMPTS prompts' first samples when they are this rank's (rank 0 holds k = 0, world, ...)."""
-    model = load_row(name, cfg, family, device, train.compute_dtype(cfg.dtype, device))
+    model = load_row(name, cfg, family, device, models.compute_dtype(cfg.dtype, device))
     mine = range(rank, len(listed) * samples, world)
     batch = [listed[k // samples] for k in mine]
-    cond = train.encode(model, [p.text for p in batch], device, cfg.offload_text_encoders)
-    noise = train.initial_noise(cfg, model, "evaluate", 0, mine, device)
+    cond = rollouts.encode(model, [p.text for p in batch], device, cfg.offload_text_encoders)
+    noise = rollouts.initial_noise(cfg, model, "evaluate", 0, mine, device)
     collected = {n: Collected(fn) for n, fn in reward_fns.items()}
-    x0, scores = train.rollout(cfg, model, train.guided_velocity(cfg, model, device), batch, cond, noise, collected,
+    x0, scores = rollouts.rollout(cfg, model, rollouts.guided_velocity(cfg, model, device), batch, cond, noise, collected,
                                progress=name if rank == 0 else "")
     shown = [i for i, k in enumerate(mine) if k % samples == 0 and k // samples < GRID_PROMPTS]
     with torch.no_grad():
@@ -205,13 +210,13 @@ def markdown_table(summaries: dict[str, dict]) -> str:
 
 def evaluate(argv: list[str] | None = None) -> dict:
     args, cfg = parse_args(argv)
-    rank, world, device = train.setup_distributed()
-    models.avoid_cudnn_attention()
+    rank, world, device = parallel.setup_distributed()
+    adapters.avoid_cudnn_attention()
     say = print if rank == 0 else (lambda *a, **k: None)
     family = train.validate(cfg, 1)
     spec, listed = evaluation_prompts(args, cfg, say)
     names = rewards.parse_reward_spec(cfg.rewards)
-    reward_fns = train.load_rewards(cfg, names, family, device)
+    reward_fns = rollouts.load_rewards(cfg, names, family, device)
     rows = (["base"] if args.base else []) + [f"run:{p}" for p in filter(None, args.runs.split(","))] + \
         [f"lora:{p}" for p in filter(None, args.loras.split(","))]
     out = Path(args.out or f"eval/{spec.replace(':', '-').replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -248,8 +253,8 @@ def evaluate(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    runs.quiet_known_noise()
-    with runs.one_line_errors():
+    failures.quiet_known_noise()
+    with failures.one_line_errors():
         evaluate(argv)
 
 

@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 import rewards
-from runs import ConfigError
+from failures import ConfigError
 
 
 @dataclass

@@ -47,23 +47,30 @@ import time
 import types
 import typing
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import adapters
+import builders
+import checkpoint
+import failures
+import guards
+import memory
 import models
+import parallel
 import prompts as prompt_sets
 import rewards
+import rollouts
 import runs
 import vgrpo
+from failures import ConfigError
+from parallel import all_gather, barrier, reduce_metrics
 from prompts import Prompt
-from runs import ConfigError, all_gather, barrier, reduce_metrics
 
 # torch.distributed.checkpoint warns on every save/load without a process group; one process is intended here.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -183,7 +190,7 @@ PRESETS = {
     # pattern: latent RMS 2.7 -> 3.5, within-group surrogate CV 0.07 -> 0.2, gradient norm doubling); with 1 no seed
     # fell back by more than 0.008 at 3e-3, and at lr 1e-3 it reached 0.61 and 0.62 no later than 0.3 did.
     "tiny": dict(num_mc=8, eval_samples=128, num_grad_steps=2, clip_eps=0.01, kl_coef=1.0),
-    # The tiny Wan pipeline (models.tiny_wan_pipeline, 5-frame videos of a square moving in the captioned direction)
+    # The tiny Wan pipeline (builders.tiny_wan_pipeline, 5-frame videos of a square moving in the captioned direction)
     # with tiny's V-GRPO settings, sampled as its pipe() samples (UniPC); trained on the colour reward scored frame by
     # frame, the motion reward monitored: this tiny base does not follow the direction words (README, "Video").
     "tiny-wan": dict(model="tiny-wan", rewards="color:1", monitor_rewards="motion", solver="scheduler", num_mc=8,
@@ -340,7 +347,7 @@ def validate(cfg: Config, world_size: int) -> str:
                           f"of whole --micro_batch_size {cfg.micro_batch_size} micro-batches")
     if not all(cfg.lora_targets.split(",")):
         raise ConfigError(f"--lora_targets: name at least one module, comma-separated without empty names "
-                          f"(got {cfg.lora_targets!r}); e.g. {models.FlowAdapter.lora_targets}")
+                          f"(got {cfg.lora_targets!r}); e.g. {adapters.FlowAdapter.lora_targets}")
     if cfg.t_min >= cfg.t_max:
         raise ConfigError(f"--t_min {cfg.t_min} must be below --t_max {cfg.t_max}")
     try:
@@ -382,7 +389,7 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--cfg_scale {cfg.cfg_scale}: {cfg.model} is step-distilled (is_distilled in its "
                           "model_index.json) and Flux2KleinPipeline applies no CFG to it; use --cfg_scale 1, or train the "
                           "base model (e.g. black-forest-labs/FLUX.2-klein-base-4B) with CFG")
-    adapter = models.ADAPTERS[family]
+    adapter = adapters.ADAPTERS[family]
     check_video_settings(cfg, adapter, {**weights, **monitored})
     if cfg.sampling_steps < adapter.min_sampling_steps:
         raise ConfigError(f"--sampling_steps {cfg.sampling_steps}: {adapter.pipeline_class} needs at least "
@@ -411,260 +418,20 @@ def check_video_settings(cfg: Config, adapter: type, reward_names) -> None:
         raise ConfigError(f"reward {', '.join(videos_only)} scores videos; {adapter.pipeline_class} makes images")
 
 
-def prompts_for_iteration(num_available: int, num_prompts: int, seed: int, iteration: int) -> list[int]:
-    """Prompt indices of an iteration: consecutive slices of one shuffled epoch after another. A pure
-    function of (seed, iteration), so the sampler's position is the iteration number itself."""
-    indices = []
-    for k in range(iteration * num_prompts, (iteration + 1) * num_prompts):
-        epoch, offset = divmod(k, num_available)
-        order = torch.randperm(num_available, generator=generator(seed, "prompts", epoch))
-        indices.append(order[offset].item())
-    return indices
-
-
-def generator(seed: int, *keys: int | str) -> torch.Generator:
-    """A CPU generator seeded by (seed, *keys): streams are independent and need no state to resume."""
-    words = [seed] + [k if isinstance(k, int) else int.from_bytes(k.encode(), "little") % 2**32 for k in keys]
-    return torch.Generator().manual_seed(int(np.random.SeedSequence(words).generate_state(1)[0]))
-
-
 # ----------------------------------------------------------------------------------------------
 # Models: loading, trainable parameters, FSDP2 (family details live in models.py)
 
 
-def load_pipeline(cfg: Config, family: str, device: torch.device, dtype: torch.dtype,
-                  sharded: bool = False) -> models.FlowAdapter:
-    """The pipeline, frozen and in the compute dtype, behind its family's adapter. sharded: FSDP2 will place the
-    transformer (apply_fsdp), so it stays on the CPU here."""
-    import diffusers
-
-    adapter = models.ADAPTERS[family]
-    if cfg.model in models.TINY_MODELS:  # built in float32; cast only to another dtype (diffusers warns on any cast)
-        pipe = models.tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps,
-                                    progress=os.environ.get("RANK", "0") == "0")
-        pipe = pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
-    else:  # from_pretrained keeps the modules a model marks as float32-only in float32 (none in bf16 since transformers 5)
-        pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, dtype=dtype)
-    # Frozen parts (VAE, text encoders) run replicated on every rank: they are not sharded and not trained. Nothing
-    # whole goes to the GPU that does not stay whole there: under FSDP2 the transformer stays on the CPU until
-    # fully_shard moves each block's shard (a full copy per GPU was 24-61 GiB at load time), and offloaded text
-    # encoders visit the GPU only inside encode().
-    for name, module in pipe.components.items():
-        if isinstance(module, torch.nn.Module):
-            module.eval().requires_grad_(False)
-            stays = (name == "transformer" and sharded) or (name.startswith("text_encoder") and cfg.offload_text_encoders)
-            module.to("cpu" if stays else device)
-    return adapter(pipe, dtype, resolution=cfg.resolution, sampling_steps=cfg.sampling_steps,
-                   max_sequence_length=cfg.max_sequence_length, guidance=cfg.flux_guidance,
-                   num_frames=models.frames_of(cfg.num_frames, cfg.model, family), width=cfg.width)
-
-
-def load_rewards(cfg: Config, names, family: str, device: torch.device) -> dict:
-    """The named rewards with their --reward_options, scoring what the model makes: a video model's videos go to image
-    rewards frame by frame (rewards.for_samples)."""
-    options = json.loads(cfg.reward_options)
-    return {name: rewards.for_samples(name, rewards.load_reward(name, device=device, **options.get(name, {})),
-                                      video=models.ADAPTERS[family].video, frame_interval=cfg.frame_interval)
-            for name in names}
-
-
-def encode(model: models.FlowAdapter, texts: list[str], device: torch.device, offload: bool) -> dict:
-    """The frozen text encoders on `texts`; offloaded ones are moved to the GPU for the call only (T5-XXL alone is
-    10.7 GiB in bf16: kept there it would hold that memory through rollouts and training)."""
-    encoders = [m for name, m in model.pipe.components.items() if name.startswith("text_encoder") and m is not None]
-    if offload:
-        for module in encoders:
-            module.to(device)
-    try:
-        return {k: v.to(device) for k, v in model.encode(texts).items()}
-    finally:
-        if offload:
-            for module in encoders:
-                module.to("cpu")
-
-
-def guided_velocity(cfg: Config, model: models.FlowAdapter, device: torch.device):
-    """The velocity rollouts sample with: the model's, or under --cfg_scale both predictions combined as the family's
-    pipeline combines them, against its negative prompt."""
-    if cfg.cfg_scale == 1.0:
-        return model.velocity
-    uncond = encode(model, [model.negative_prompt], device, cfg.offload_text_encoders)
-    return model.guided(model.velocity, uncond, cfg.cfg_scale)
-
-
-def lora_config(cfg: Config):
-    from peft import LoraConfig
-
-    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                      target_modules=models.lora_targets(cfg.lora_targets, models.model_family(cfg.model)))
-
-
-def make_trainable(transformer: torch.nn.Module, cfg: Config) -> None:
-    """LoRA adapters (lora_rank > 0) or every weight, as float32 master weights whatever the compute dtype: in
-    bfloat16 an AdamW step of lr 1e-4 on a weight of ~0.03 is below half an ULP and rounds away (a third of a
-    LoRA matrix never moved). Gradients and AdamW states follow the parameters' dtype; compute stays in the
-    pipeline's dtype (autocast in the adapters, MixedPrecisionPolicy under FSDP2)."""
-    if cfg.lora_rank:
-        models.check_lora_targets(transformer, models.lora_targets(cfg.lora_targets, models.model_family(cfg.model)))
-        transformer.add_adapter(lora_config(cfg))
-    else:
-        transformer.requires_grad_(True)
-    for p in transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()
-
-
 def load_trained(run_dir: Path, device: torch.device, dtype: torch.dtype, settings: dict | None = None
-                 ) -> models.FlowAdapter:
+                 ) -> adapters.FlowAdapter:
     """A run's model exactly as training left it, in one process: its config (with `settings` changed, e.g. the
     sampler evaluate.py uses), its base model, its last checkpoint (whatever world size wrote it)."""
     cfg = dataclasses.replace(parse_config(["--resume", str(run_dir)]), **(settings or {}))
-    model = load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
-    make_trainable(model.transformer, cfg)
+    model = models.load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
+    models.make_trainable(model.transformer, cfg)
     optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad])
-    runs.load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
+    checkpoint.load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
     return model
-
-
-def apply_fsdp(transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype, replicas: int = 1) -> None:
-    """The FSDP2 recipe: shard each transformer block, then the root (which keeps the embeddings and
-    the output layer). Parameters are gathered in `dtype` for compute; gradients are reduced in fp32.
-    replicas = 1: FSDP over a 1-D mesh of all ranks. replicas > 1: HSDP, the torchtitan way: a 2-D mesh
-    (replicate, shard), parameters sharded within each group of world / replicas ranks (a node: all-gathers
-    stay on its fast links) and replicated across the groups (one gradient all-reduce between nodes)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    world = dist.get_world_size()
-    if replicas > 1:
-        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (world,))
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for block in models.transformer_blocks(transformer):
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(transformer, mesh=mesh, mp_policy=policy)
-
-
-def compile_blocks(transformer: torch.nn.Module, backend: str) -> None:
-    """Regional compilation, before FSDP2 as torchtitan does it: each transformer block compiled in place
-    (Module.compile), so the blocks keep their names (checkpoints, LoRA export) and FSDP2 still shards them one by
-    one. Rollouts, the surrogate's passes and their backward all run through it; a new batch shape (the last rollout
-    chunk, an evaluation) compiles once more."""
-    for block in models.transformer_blocks(transformer):
-        block.compile(backend=backend)
-
-
-@contextlib.contextmanager
-def gathered_once(transformer: torch.nn.Module):
-    """Under FSDP2, keep each unit's parameters unsharded from its first all-gather to the end of the block, so a
-    rollout batch gathers the model once instead of once per ODE step (rollouts take no gradients, so nothing
-    else changes). Costs one unsharded copy of the transformer for the duration; a no-op without FSDP2."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in transformer.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
-    try:
-        yield
-    finally:
-        for unit in units:
-            # FSDP2 never reshards the root after forward (backward needs it next); the blocks do.
-            unit.set_reshard_after_forward(unit is not transformer, recurse=False)
-            unit.reshard()
-
-
-def hsdp_replicas(cfg_hsdp: int, world: int) -> int:
-    """--hsdp 0 (auto): one replica group per node when torchrun spans several nodes, else plain FSDP."""
-    if cfg_hsdp:
-        return cfg_hsdp
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return world // per_node if world > per_node else 1
-
-
-# ----------------------------------------------------------------------------------------------
-# Processes (the collectives live in runs.py)
-
-
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """--dtype: auto is bfloat16 on GPU and float32 on CPU (bf16 matrix products are slow on most CPUs)."""
-    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-            "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """Rank, world size and device; initialises the process group under torchrun (nccl on GPU, gloo on CPU)."""
-    if "RANK" not in os.environ:
-        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-# ----------------------------------------------------------------------------------------------
-# Rollouts and scoring (shared by training and evaluation)
-
-
-@torch.no_grad()
-def rollout(cfg: Config, model: models.FlowAdapter, velocity, prompts: list[Prompt], cond: dict, noise: torch.Tensor,
-            reward_fns: dict, progress: str = ""):
-    """Sample, decode and score B samples (prompts[i] with conditioning row i) in chunks of
-    rollout_batch_size; images are dropped after scoring. Returns final latents (B, ...) and rewards
-    {name: (B,)}. progress: a bar's title (shown on a terminal), or none. Each chunk is decoded and scored in a
-    second thread while the next one samples (rewards on the CPU or behind a server cost no sampling time). A
-    reward server that fails stops the run on every rank, after the sampling the other ranks' sharded forwards need."""
-    x0, scored = [], []
-    chunks = range(0, len(prompts), cfg.rollout_batch_size)
-    side = torch.cuda.Stream(noise.device) if noise.is_cuda else None  # the scorer's CUDA stream
-    with ThreadPoolExecutor(max_workers=1) as scorer:
-        for start in tqdm(chunks, desc=progress, disable=None if progress else True, leave=False, dynamic_ncols=True):
-            rows = slice(start, start + cfg.rollout_batch_size)
-            with gathered_once(model.transformer) if cfg.rollout_gather_once else contextlib.nullcontext():
-                x = model.sample(velocity, noise[rows], {k: v[rows] for k, v in cond.items()}, cfg.solver)
-            # x is ready where the sampling stream is now, not where it will be when the scorer starts
-            ready = torch.cuda.current_stream(x.device).record_event() if side else None
-            scored.append(scorer.submit(decode_and_score, model, reward_fns, x, prompts[rows], side, ready))
-            x0.append(x)
-        scored = [chunk.result() for chunk in scored]
-    if side:
-        torch.cuda.current_stream(noise.device).wait_stream(side)
-    failure = runs.first_failure(next((f for _, f in scored if f), ""))
-    if failure:
-        raise runs.RunStopped(f"{failure}. Nothing of this iteration was saved; the last checkpoint is kept: --resume "
-                              "once the reward answers")
-    return torch.cat(x0), {name: torch.cat([s[name] for s, _ in scored]) for name in reward_fns}
-
-
-@torch.no_grad()  # grad mode is per thread: the scorer's is on by default
-def decode_and_score(model: models.FlowAdapter, reward_fns: dict, x: torch.Tensor, prompts: list[Prompt],
-                     stream=None, ready=None):
-    """Decode x and score the images with every reward: ({name: (B,)}, the first reward server failure or "").
-    A failed server's scores are NaN, so the ranks can agree to stop after the iteration's sampling. On CUDA it runs
-    on `stream` once the event `ready` (x sampled) has passed."""
-    scores, failure = {}, ""
-    with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
-        if ready:
-            stream.wait_event(ready)
-        images = model.decode(x)
-        for name, fn in reward_fns.items():
-            try:
-                scores[name] = fn(images, [p.text for p in prompts], [p.metadata for p in prompts]).float()
-            except rewards.RewardServerError as error:
-                failure = failure or f"reward {name}: {error}"
-                scores[name] = torch.full((x.shape[0],), math.nan, device=x.device)
-    return scores, failure
-
-
-def initial_noise(cfg: Config, model: models.FlowAdapter, stream: str, iteration: int, indices: range, device) -> torch.Tensor:
-    """Rollout noise: one generator per GLOBAL sample index, so every sample's noise differs and does
-    not depend on how samples are spread over ranks."""
-    shape = model.latent_shape()
-    return torch.stack([torch.randn(shape, generator=generator(cfg.seed, stream, iteration, i)) for i in indices]).to(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -673,10 +440,10 @@ def initial_noise(cfg: Config, model: models.FlowAdapter, stream: str, iteration
 
 def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Prompt]) -> None:
     # ---------------- setup
-    rank, world, device = setup_distributed()
-    models.avoid_cudnn_attention()
+    rank, world, device = parallel.setup_distributed()
+    adapters.avoid_cudnn_attention()
     master = rank == 0
-    dtype = compute_dtype(cfg.dtype, device)
+    dtype = models.compute_dtype(cfg.dtype, device)
     run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
     if master:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -690,32 +457,32 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     # data. After setup the global torch RNG, which the algorithm does not use, is seeded seed + rank.
     torch.manual_seed(cfg.seed)
 
-    gpu_gb = torch.cuda.get_device_properties(device).total_memory / models.GiB if device.type == "cuda" else None
-    models.check_memory_plan(cfg, family, world, gpu_gb, rank, partial(make_trainable, cfg=cfg))
+    gpu_gb = torch.cuda.get_device_properties(device).total_memory / memory.GiB if device.type == "cuda" else None
+    memory.check_memory_plan(cfg, family, world, gpu_gb, rank, partial(models.make_trainable, cfg=cfg))
     weights = rewards.parse_reward_spec(cfg.rewards)
-    reward_fns = load_rewards(cfg, weights, family, device)
-    monitor_fns = load_rewards(cfg, rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {}, family,
+    reward_fns = rollouts.load_rewards(cfg, weights, family, device)
+    monitor_fns = rollouts.load_rewards(cfg, rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {}, family,
                                device)
-    model = load_pipeline(cfg, family, device, dtype, sharded=world > 1)
+    model = models.load_pipeline(cfg, family, device, dtype, sharded=world > 1)
     models.check_sampling_grid(model, cfg.solver)
     transformer = model.transformer
     # The reference KL's base model under full fine-tuning: a frozen copy, taken before training casts the weights.
     frozen_base = copy.deepcopy(transformer) if cfg.ref_kl_coef > 0 and not cfg.lora_rank else None
-    make_trainable(transformer, cfg)
+    models.make_trainable(transformer, cfg)
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
     if cfg.compile != "none":
-        compile_blocks(transformer, cfg.compile)
-    replicas = hsdp_replicas(cfg.hsdp, world)
+        parallel.compile_blocks(transformer, cfg.compile)
+    replicas = parallel.hsdp_replicas(cfg.hsdp, world)
     if world > 1:
         for module in filter(None, (transformer, frozen_base)):
-            apply_fsdp(module, device, dtype, replicas=replicas)  # moves each block's shard to the device
+            parallel.apply_fsdp(module, device, dtype, replicas=replicas)  # moves each block's shard to the device
     named = [(n, p) for n, p in transformer.named_parameters() if p.requires_grad]  # after FSDP2 swapped in shards
     trainable = [p for _, p in named]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema = {n: p.detach().clone() for n, p in named} if cfg.ema_decay else {}  # float32, sharded like the weights
     torch.manual_seed(cfg.seed + rank)
-    start = runs.load_checkpoint(run_dir, transformer, optimizer, rank, ema=ema) if cfg.resume else 0
+    start = checkpoint.load_checkpoint(run_dir, transformer, optimizer, rank, ema=ema) if cfg.resume else 0
     print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}"
            + (f" (HSDP: {replicas} replicas x {world // replicas} shards)" if replicas > 1 else "") + ", "
            f"{dtype}, run dir {run_dir}" + (f", resuming at iteration {start}" if start else ""))
@@ -723,13 +490,13 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     P, G, K = cfg.num_prompts, cfg.group_size, cfg.num_mc
     P_local = P // world
     groups = range(rank * P_local, (rank + 1) * P_local)  # this rank's groups, in global numbering
-    rollout_velocity = guided_velocity(cfg, model, device)
+    rollout_velocity = rollouts.guided_velocity(cfg, model, device)
     # One surrogate function for theta_old and theta: same parameterisation, same weighting. The base model's for
     # the reference KL is the same function of the frozen base's velocity.
     surrogate_of = partial(partial, vgrpo.elbo_surrogate, param=cfg.param, self_normalize=cfg.self_normalize,
                            chunk_size=cfg.micro_batch_size * K)
     surrogate = surrogate_of(model.velocity)
-    base_velocity = models.frozen_base_velocity(model, frozen_base, lora=cfg.lora_rank > 0)
+    base_velocity = guards.frozen_base_velocity(model, frozen_base, lora=cfg.lora_rank > 0)
     reference = surrogate_of(base_velocity) if base_velocity else None
     nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
     nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
@@ -741,7 +508,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     first_x0_rms = next((m["x0_rms"] for m in earlier if "x0_rms" in m), None)
     tracker = runs.Tracker(run_dir, cfg, master, start)
     stop = {"requested": False}
-    runs.stop_if_ctrl_c()  # one pressed during setup that a library swallowed
+    failures.stop_if_ctrl_c()  # one pressed during setup that a library swallowed
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
         signal.signal(sig, lambda *_: stop.update(requested=True))
     history, skipped_run = [], 0
@@ -752,16 +519,16 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         timer = {"start": time.perf_counter()}
         # ---------------- 1. theta_old <- theta: the weights as they are now; nothing to copy.
         # ---------------- 2. rollouts: G samples of each of this rank's prompts, distinct noise each
-        chosen = prompts_for_iteration(len(prompts), P, cfg.seed, it)
+        chosen = rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it)
         batch = [prompts[chosen[g]] for g in groups for _ in range(G)]  # (P_local * G,) group-major
         # The frozen text encoders run once per prompt; rollouts and every training pass reuse the result.
         texts = [prompts[chosen[g]].text for g in groups]
-        cond = {k: v.repeat_interleave(G, dim=0) for k, v in encode(model, texts, device, cfg.offload_text_encoders).items()}
-        noise = initial_noise(cfg, model, "rollout", it, range(groups[0] * G, (groups[-1] + 1) * G), device)
-        x0, scores = rollout(cfg, model, rollout_velocity, batch, cond, noise, reward_fns)
+        cond = {k: v.repeat_interleave(G, dim=0) for k, v in rollouts.encode(model, texts, device, cfg.offload_text_encoders).items()}
+        noise = rollouts.initial_noise(cfg, model, "rollout", it, range(groups[0] * G, (groups[-1] + 1) * G), device)
+        x0, scores = rollouts.rollout(cfg, model, rollout_velocity, batch, cond, noise, reward_fns)
         timer["rollout"] = time.perf_counter()
         # ---------------- 3. group-shared, stratified (t, eps) pairs: drawn once, reused below
-        pairs = [vgrpo.draw_mc_pairs(1, G, K, x0.shape[1:], generator=generator(cfg.seed, "pairs", it, g), t_min=cfg.t_min,
+        pairs = [vgrpo.draw_mc_pairs(1, G, K, x0.shape[1:], generator=rollouts.generator(cfg.seed, "pairs", it, g), t_min=cfg.t_min,
                                      t_max=cfg.t_max, stratified=cfg.stratified, group_shared=cfg.group_shared)
                  for g in groups]
         t, eps = torch.cat([p[0] for p in pairs]).to(device), torch.cat([p[1] for p in pairs]).to(device)
@@ -780,7 +547,7 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
                                     micro_batch_size=cfg.micro_batch_size, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
                                     max_grad_norm=cfg.max_grad_norm, reference=reference, ref_kl_coef=cfg.ref_kl_coef)
         if ema:
-            ema_update(list(ema.values()), trainable, cfg.ema_decay)
+            guards.ema_update(list(ema.values()), trainable, cfg.ema_decay)
         timer["update"] = time.perf_counter()
 
         # ---------------- 7. log
@@ -803,8 +570,8 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
             "prompt_indices": chosen,
         }
         if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
-            with ema_weights(trainable, list(ema.values())) if cfg.eval_with_ema else contextlib.nullcontext():
-                metrics.update(evaluate(cfg, model, rollout_velocity, eval_prompts, {**reward_fns, **monitor_fns},
+            with guards.ema_weights(trainable, list(ema.values())) if cfg.eval_with_ema else contextlib.nullcontext():
+                metrics.update(rollouts.evaluate(cfg, model, rollout_velocity, eval_prompts, {**reward_fns, **monitor_fns},
                                         weights, rank, world, device,
                                         run_dir / "samples" / f"iter-{it:06d}.png" if master else None))
             evals.append({"iteration": it, **metrics})
@@ -819,29 +586,29 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
 
         # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM / SIGINT asked to stop. A
         # diverged run writes nothing more: the last good checkpoint stays the one --resume uses.
-        skipped_run = consecutive_skips(skipped_run, int(update["skipped_steps"]), cfg.num_grad_steps)
-        reason = divergence(x0, scores, skipped_run, transformer, cfg, device)
+        skipped_run = guards.consecutive_skips(skipped_run, int(update["skipped_steps"]), cfg.num_grad_steps)
+        reason = guards.divergence(x0, scores, skipped_run, transformer, cfg, device)
         if reason:
-            stop_run(run_dir, f"training diverged at iteration {it}: {reason}", "Lower --lr or --max_grad_norm, or "
+            guards.stop_run(run_dir, f"training diverged at iteration {it}: {reason}", "Lower --lr or --max_grad_norm, or "
                      "raise --num_mc, and start again")
         first_x0_rms = first_x0_rms or metrics["x0_rms"]
-        hacked = runs.hacking(evals, list(monitor_fns), window=cfg.hacking_window, z=cfg.hacking_z,
+        hacked = guards.hacking(evals, list(monitor_fns), window=cfg.hacking_window, z=cfg.hacking_z,
                               samples=len(eval_prompts)) if "eval/reward_mean" in metrics else ""
-        hacked = hacked or runs.x0_drift(metrics["x0_rms"], first_x0_rms, cfg.max_x0_drift)
+        hacked = hacked or guards.x0_drift(metrics["x0_rms"], first_x0_rms, cfg.max_x0_drift)
         if hacked and cfg.stop_on_hacking:
-            stop_run(run_dir, f"possible reward hacking at iteration {it}: {hacked}", "Inspect the sample grids; "
+            guards.stop_run(run_dir, f"possible reward hacking at iteration {it}: {hacked}", "Inspect the sample grids; "
                      "raise --ref_kl_coef or lower --lr, or --resume without --stop_on_hacking to go on")
         elif hacked:
             bar.write(f"warning: possible reward hacking at iteration {it}: {hacked} (--stop_on_hacking stops here)")
         stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
         if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
-            runs.save_checkpoint(run_dir, it, transformer, optimizer, rank, ema=ema)
+            checkpoint.save_checkpoint(run_dir, it, transformer, optimizer, rank, ema=ema)
         if stopping:
             print0(f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {it} saved; continue with --resume {run_dir}")
             break
     else:
-        with ema_weights(trainable, list(ema.values())) if cfg.export_ema else contextlib.nullcontext():
-            runs.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank,
+        with guards.ema_weights(trainable, list(ema.values())) if cfg.export_ema else contextlib.nullcontext():
+            checkpoint.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank,
                               info={"weights": "ema" if cfg.export_ema else "trained", "ema_decay": cfg.ema_decay,
                                     "iteration": cfg.iterations - 1})
         print0(runs.summary_table(history))
@@ -851,104 +618,20 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
         dist.destroy_process_group()
 
 
-def consecutive_skips(run: int, skipped: int, num_grad_steps: int) -> int:
-    """Gradient steps skipped in a row, counted over iterations: an iteration that skipped all its steps adds them,
-    one that took any step ends the run of skips (scattered skips are rounding, not divergence)."""
-    return run + skipped if skipped == num_grad_steps else 0
-
-
-def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cfg: Config, device) -> str:
-    """Why the run must stop, '' if it need not: non-finite rollouts, rewards or trainable weights on any rank, or
-    max_skipped_steps consecutive skipped gradient steps. Every rank gets the same answer."""
-    checks = {
-        "the rollouts are not finite": not torch.isfinite(x0).all(),
-        "the rewards are not finite": not all(torch.isfinite(s).all() for s in scores.values()),
-        "the trainable weights are not finite": not all(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local")
-                                                                      else p.detach()).all()
-                                                         for p in transformer.parameters() if p.requires_grad),
-        f"{skipped_run} consecutive gradient steps were skipped as non-finite": skipped_run >= cfg.max_skipped_steps,
-    }
-    flags = reduce_metrics({f"{i}_max": float(bad) for i, bad in enumerate(checks.values())}, device)
-    return "; ".join(reason for i, reason in enumerate(checks) if flags[f"{i}_max"] > 0)
-
-
-def stop_run(run_dir: Path, what: str, advice: str) -> None:
-    """Stop every rank with one line from rank 0 before anything of this iteration is saved: the last checkpoint
-    stays the one --resume uses."""
-    latest = run_dir / "checkpoints" / "latest"
-    kept = f"checkpoint {latest.read_text()} is kept" if latest.is_file() else "no checkpoint was written"
-    if dist.is_initialized():
-        barrier()
-        dist.destroy_process_group()
-    raise runs.RunStopped(f"{what}. Nothing was saved from it; {kept}. {advice}")
-
-
-@torch.no_grad()
-def ema_update(ema: list[torch.Tensor], params: list[torch.Tensor], decay: float) -> None:
-    """ema <- decay * ema + (1 - decay) * param, once per iteration, in float32 (the trainable weights' dtype)."""
-    for e, p in zip(ema, params):
-        e.lerp_(p.detach(), 1 - decay)
-
-
-@contextlib.contextmanager
-def ema_weights(params: list[torch.Tensor], ema: list[torch.Tensor]):
-    """The EMA weights in place of the trained ones inside the block (evaluation, export), swapped back after; one
-    tensor of temporary memory at a time."""
-    def swap():
-        with torch.no_grad():
-            for p, e in zip(params, ema):
-                kept = p.detach().clone()
-                p.copy_(e)
-                e.copy_(kept)
-    swap()
-    try:
-        yield
-    finally:
-        swap()
-
-
 STDOUT_METRICS = ("reward_mean", "reward_std", "eval/reward_mean", "ratio_mean", "clipfrac", "approx_kl", "kl", "ref_kl",
                   "grad_norm", "surrogate_cv_within", "frac_zero_std_groups", "images_per_s", "skipped_steps")
-
-
-def evaluate(cfg, model, velocity, eval_prompts, reward_fns, weights, rank, world, device, grid_path) -> dict:
-    """Rewards on the fixed evaluation prompts with fixed noise (one sample per prompt). Every rank runs
-    the same number of chunks (the sharded model needs all ranks in each forward); padding is dropped."""
-    per_rank = math.ceil(len(eval_prompts) / world)
-    indices = [(rank * per_rank + i) % len(eval_prompts) for i in range(per_rank)]
-    real = torch.tensor([rank * per_rank + i < len(eval_prompts) for i in range(per_rank)], device=device)
-    noise = initial_noise(cfg, model, "eval", 0, indices, device)
-    chosen = [eval_prompts[i] for i in indices]
-    cond = encode(model, [p.text for p in chosen], device, cfg.offload_text_encoders)
-    x0, scores = rollout(cfg, model, velocity, chosen, cond, noise, reward_fns, progress="evaluating" if rank == 0 else "")
-    totals = {n: torch.stack([(s * real).sum(), (s.pow(2) * real).sum(), real.sum().float()]) for n, s in scores.items()}
-    if dist.is_initialized():
-        for v in totals.values():
-            dist.all_reduce(v)
-    means = {f"eval/{n}_mean": (v[0] / v[2]).item() for n, v in totals.items()}
-    # the spread over samples, for the hacking rule's standard errors (population std from the two sums)
-    means.update({f"eval/{n}_std": (v[1] / v[2] - (v[0] / v[2]) ** 2).clamp_min(0).sqrt().item() for n, v in totals.items()})
-    means["eval/reward_mean"] = sum(w * means[f"eval/{n}_mean"] for n, w in weights.items())
-    if grid_path is not None:  # rank 0's share of the evaluation prompts
-        records = [{"prompt": p.text, "seed": cfg.seed, "noise_index": i,
-                    "rewards": {n: s[j].item() for n, s in scores.items()}}
-                   for j, (p, i) in enumerate(zip(chosen, indices)) if real[j]]
-        shown = records[:runs.GRID_SAMPLES]
-        captions = [f"{r['prompt']} | " + " ".join(f"{n} {v:.3f}" for n, v in r["rewards"].items()) for r in shown]
-        runs.save_samples(model.decode(x0[:len(shown)]), captions, records, grid_path)
-    return means
 
 
 def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
     """The training prompts and the eval_samples evaluation prompts (position i gets fixed noise i): --prompts (a file
     or a named set's train split; tiny models have built-ins) and --eval_prompts, by default the named set's test
     split or else the first training prompts, cycled. Checked against what the rewards need from each prompt."""
-    if not cfg.prompts and cfg.model not in models.TINY_MODELS:
+    if not cfg.prompts and cfg.model not in builders.TINY_MODELS:
         raise ConfigError(f"--prompts is required for a real model: a .txt (one prompt per line) or .jsonl file, or a "
                           f"named set ({', '.join(prompt_sets.SETS)})")
     say = print if os.environ.get("RANK", "0") == "0" else (lambda _: None)
     prompts = (prompt_sets.load(cfg.prompts, split="train", say=say) if cfg.prompts
-               else [Prompt(p, {}) for p in models.tiny_prompts(models.model_family(cfg.model))])
+               else [Prompt(p, {}) for p in builders.tiny_prompts(models.model_family(cfg.model))])
     eval_spec = cfg.eval_prompts or prompt_sets.test_split(cfg.prompts)
     listed = prompt_sets.load(eval_spec, split="test", say=say) if eval_spec else prompts[:cfg.eval_samples]
     eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]
@@ -960,22 +643,22 @@ def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    runs.quiet_known_noise()
-    runs.remember_ctrl_c()
-    with runs.one_line_errors():
+    failures.quiet_known_noise()
+    failures.remember_ctrl_c()
+    with failures.one_line_errors():
         cfg = parse_config(argv)
         if cfg.plan:
-            world, gpu_gb = models.plan_world_and_memory(cfg)
-            plan, advice = models.plan_memory(cfg, validate(cfg, world), world, gpu_gb, partial(make_trainable, cfg=cfg))
+            world, gpu_gb = memory.plan_world_and_memory(cfg)
+            plan, advice = memory.plan_memory(cfg, validate(cfg, world), world, gpu_gb, partial(models.make_trainable, cfg=cfg))
             print(plan.table())
             if not plan.fits():
-                raise runs.RunStopped(f"does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
+                raise failures.RunStopped(f"does not fit {gpu_gb:g} GiB per GPU with 10% headroom: {advice}")
             if advice:
                 print(f"{advice} (rollouts sample in calls of that many samples; bench.py section 5 measures what "
                       "larger calls gain)")
             return
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-        runs.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)), runs.machine_memory_gb())
+        failures.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)), failures.machine_memory_gb())
         runs.check_run_dir(cfg.run_dir or "runs")
         prompts, eval_prompts = training_prompts(cfg)
         train(cfg, family, prompts, eval_prompts)

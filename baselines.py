@@ -1,0 +1,205 @@
+"""baselines.py: the peers V-GRPO is compared with, each written from its published algorithm and defaults.
+
+No code is taken from the peers: each method is written here from its paper and its public training script's
+algorithm and settings, for the 2-D toy and for the tiny SD3 pipeline alike, and validated against the peer's own code
+run the same way (docs/benchmarks.md says how, with the numbers). bench.py runs them against train.py.
+
+Flow-GRPO (Liu et al. 2025, arXiv 2505.05470; github.com/yifan123/flow_grpo), as its scripts/train_sd3.py runs it with
+the defaults of config/base.py and config/grpo.py's SD3.5 tasks: SDE rollouts, per-step Gaussian log-probs and clipped
+ratios, the KL to the reference, two optimizer steps per batch. Validated against Flow-GRPO's own rollout pipeline,
+SDE step and stat tracker on the tiny SD3 pipeline (docs/benchmarks.md, "The Flow-GRPO baseline").
+"""
+
+import contextlib
+import copy
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+
+import builders
+import models
+import rewards
+import rollouts
+import train
+import vgrpo
+
+# ----------------------------------------------------------------------------------------------
+# Flow-GRPO
+
+
+@dataclass(frozen=True)
+class FlowGRPO:
+    noise_level: float = 0.7  # sample.noise_level: the SDE's sigma_t = a sqrt(t / (1 - t))
+    clip_range: float = 1e-4  # train.clip_range: the per-step ratio clip
+    adv_clip_max: float = 5.0  # train.adv_clip_max
+    beta: float = 0.04  # train.beta: KL to the reference policy (the GenEval and OCR configs; PickScore 0.01)
+    timestep_fraction: float = 0.99  # train.timestep_fraction: the first int(0.99 T) denoising steps are trained
+    # num_batches_per_epoch rollout batches, gradient_accumulation_steps = num_batches_per_epoch // 2: two optimizer
+    # steps per epoch, each over half the (shuffled) samples and all trained steps.
+    updates_per_batch: int = 2
+    weight_decay: float = 1e-4  # train.adam_weight_decay
+
+
+def sde_mean_std(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float):
+    """One Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
+        x' = x + (v + sigma^2 / (2t) (x + (1 - t) v)) dt + sigma sqrt(-dt) z,   sigma = a sqrt(t / (1 - t)),
+    dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score; t_cap keeps sigma finite at t = 1 (sigma's t = 1 is
+    replaced by the grid's second point). Returns the mean of x', sigma and the step's std sigma sqrt(-dt)."""
+    v = velocity(x, torch.full((x.shape[0],), t, device=x.device), cond)
+    dt = t_next - t
+    sigma = noise_level * math.sqrt(t / (1 - min(t, t_cap)))
+    return x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt, sigma, sigma * math.sqrt(-dt)
+
+
+def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: float) -> torch.Tensor:
+    """Per-sample log-density of x under N(mean, std^2 I), averaged over dimensions (Flow-GRPO's convention)."""
+    return (-((x - mean) ** 2) / (2 * std**2) - math.log(std) - 0.5 * math.log(2 * math.pi)).flatten(1).mean(1)
+
+
+def flow_grpo_kl(mean: torch.Tensor, ref_mean: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Flow-GRPO's per-step KL to the reference, per sample: ||mu - mu_ref||^2 averaged over dimensions, over 2 sigma^2.
+    It divides by the SDE's sigma^2, not by the step's variance sigma^2 |dt| that the exact KL between the two
+    Gaussian kernels has (smaller by |dt|: x10 at 10 steps)."""
+    return ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * sigma**2)
+
+
+def sample_sde(velocity, x, grid: list[float], cond, fg: FlowGRPO, generator) -> tuple[torch.Tensor, list]:
+    """An SDE rollout over the grid (noise on every step, the last included): the final sample and the path
+    [(x_t, t, t_next, x_next, log_prob)] the update replays."""
+    path = []
+    with torch.no_grad():
+        for t, t_next in zip(grid[:-1], grid[1:]):
+            mean, _, std = sde_mean_std(velocity, x, t, t_next, cond, noise_level=fg.noise_level, t_cap=grid[1])
+            x_next = mean + std * torch.randn(x.shape, generator=generator).to(x.device)
+            path.append((x, t, t_next, x_next, gaussian_log_prob(x_next, mean, std)))
+            x = x_next
+    return x, path
+
+
+def rows_of(cond, index: torch.Tensor):
+    return {k: v[index] for k, v in cond.items()} if isinstance(cond, dict) else cond[index]
+
+
+def flow_grpo_update(velocity, reference, path: list, cond, adv: torch.Tensor, optimizer, params: list, fg: FlowGRPO,
+                     *, t_cap: float, max_grad_norm: float, generator) -> int:
+    """Flow-GRPO's training phase on one rollout batch: samples with a zero advantage dropped (a random few kept
+    so that the rest splits evenly), the others shuffled and split into updates_per_batch optimizer steps; each step
+    averages over its samples and the first int(timestep_fraction T) denoising steps
+        max(-A r_t, -A clip(r_t, 1 -+ clip_range)) + beta KL_t,   r_t = p_theta(x_next | x_t) / p_old(x_next | x_t),
+    A clipped to +-adv_clip_max; reference(x, t, cond) is the reference policy's velocity; t_cap as sample_sde's
+    (the grid's second point). Returns how many samples
+    were trained (each costs a forward and a backward of the policy and a forward of the reference per step)."""
+    updates, trained = fg.updates_per_batch, int(len(path) * fg.timestep_fraction)
+    keep = adv != 0
+    dropped = torch.where(~keep)[0]
+    short = (updates - int(keep.sum()) % updates) % updates
+    if short and len(dropped) >= short:
+        keep[dropped[torch.randperm(len(dropped), generator=generator)[:short]]] = True
+    index = torch.where(keep)[0]
+    index = index[torch.randperm(len(index), generator=generator)]
+    adv = adv.clamp(-fg.adv_clip_max, fg.adv_clip_max)
+    for rows in index.chunk(updates):
+        for x_t, t, t_next, x_next, old in path[:trained]:
+            c = rows_of(cond, rows)
+            kernel = partial(sde_mean_std, x=x_t[rows], t=t, t_next=t_next, cond=c, noise_level=fg.noise_level,
+                             t_cap=t_cap)
+            mean, sigma, std = kernel(velocity)
+            with torch.no_grad():
+                ref_mean, _, _ = kernel(reference)
+            ratio = (gaussian_log_prob(x_next[rows], mean, std) - old[rows]).exp()
+            a = adv[rows]
+            policy = torch.max(-a * ratio, -a * ratio.clamp(1 - fg.clip_range, 1 + fg.clip_range)).mean()
+            ((policy + fg.beta * flow_grpo_kl(mean, ref_mean, sigma).mean()) / trained).backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return len(index)
+
+
+def flow_grpo_toy(model, cfg: vgrpo.ToyConfig, fg: FlowGRPO = FlowGRPO()) -> list[dict]:
+    """Flow-GRPO on the toy: cfg's prompts, group size, sampling steps, lr, seed and iterations; the reference is the
+    pretrained model (frozen); advantages per group over the batch's std (PerPromptStatTracker with global_std, each
+    group its own prompt)."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    reference = copy.deepcopy(model).requires_grad_(False)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
+    grid = vgrpo.flow_timesteps(cfg.sampling_steps).tolist()
+    P, G, T = cfg.num_prompts, cfg.group_size, cfg.sampling_steps
+    history, fwd, bwd, start = [], 0, 0, time.perf_counter()
+    for _ in range(cfg.iterations):
+        c = torch.randint(len(vgrpo.TOY_MODES), (P,), generator=g).repeat_interleave(G)
+        x, path = sample_sde(model, torch.randn(P * G, 2, generator=g), grid, c, fg, g)
+        rewards = vgrpo.toy_reward(x, c)
+        adv = vgrpo.group_advantages(rewards.view(P, G), global_std=True).flatten()
+        n = flow_grpo_update(model, reference, path, c, adv, optimizer, params, fg, t_cap=grid[1], max_grad_norm=1.0,
+                             generator=g)
+        steps = int(T * fg.timestep_fraction)
+        fwd, bwd = fwd + P * G * T + 2 * n * steps, bwd + n * steps  # rollout; policy and reference forwards; backwards
+        frac, dist = vgrpo.toy_mode_stats(x, c)
+        history.append({"reward_mean": rewards.mean().item(), "frac_target_mode": frac, "mode_dist": dist,
+                        "nfe_fwd": fwd, "nfe_bwd": bwd, "seconds": time.perf_counter() - start})
+    return history
+
+
+@contextlib.contextmanager
+def adapters_disabled(transformer):
+    """The reference policy: the transformer with its LoRA switched off."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, steps: int = 10,
+                  fg: FlowGRPO = FlowGRPO(), flags=()) -> list[dict]:
+    """Flow-GRPO (FlowGRPO's settings, flow_grpo_update) on train.py's adapter, prompts, rewards, LoRA (r 32, alpha 64,
+    Gaussian init, the attention projections: Flow-GRPO's), AdamW, rollout noise and evaluation: SDE rollouts of
+    `steps` steps, advantages per prompt over the batch's std, the reference the LoRA switched off. History as
+    vgrpo_sd3's; flags: train.py flags for both (--lr sets this one's too)."""
+    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
+    model = models.load_pipeline(cfg, "sd3", device, torch.float32)
+    models.make_trainable(model.transformer, cfg)
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
+    weights = rewards.parse_reward_spec(cfg.rewards)
+    reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
+    prompts = [train.Prompt(p, {}) for p in builders.TINY_PROMPTS]
+    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
+    grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
+                       max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
+
+    def reference(x, t, cond):
+        with adapters_disabled(model.transformer):
+            return model.velocity(x, t, cond)
+
+    P, G, trained_steps = cfg.num_prompts, cfg.group_size, int(steps * fg.timestep_fraction)
+    g = torch.Generator().manual_seed(seed)
+    history, nfe, seconds = [], 0, 0.0
+    for it in range(iterations):
+        start = time.perf_counter()
+        batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
+        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+        noise = rollouts.initial_noise(cfg, model, "rollout", it, range(P * G), device)
+        x, path = sample_sde(model.velocity, noise, grid, cond, fg, g)
+        images = model.decode(x)
+        scores = {n: fn(images, [p.text for p in batch], [p.metadata for p in batch]).float() for n, fn in reward_fns.items()}
+        reward = sum(w * scores[n] for n, w in weights.items())
+        adv = vgrpo.group_advantages(reward.view(P, G), global_std=True).flatten()
+        n = flow_grpo_update(model.velocity, reference, path, cond, adv, optimizer, params, fg, t_cap=grid[1],
+                             max_grad_norm=cfg.max_grad_norm, generator=g)
+        seconds += time.perf_counter() - start
+        nfe += P * G * steps + 3 * n * trained_steps  # rollout; per trained step a forward, a backward, a reference forward
+        entry = dict(reward_mean=reward.mean().item(), eval=None, nfe=nfe, seconds=seconds)
+        if it % eval_every == 0 or it == iterations - 1:
+            entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
+                                           None)["eval/reward_mean"]
+        history.append(entry)
+    return history

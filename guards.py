@@ -1,0 +1,144 @@
+"""guards.py: what watches a training run and stops it (or warns) when it goes wrong.
+
+- divergence: non-finite rollouts, rewards or trainable weights on any rank, or too many consecutive skipped
+  gradient steps, stop every rank before anything of the iteration is saved (the last checkpoint stays good).
+
+Against reward hacking, beyond the paper (off by default; docs/training.md, "Reward hacking"):
+- the reference KL's base model (frozen_base_velocity): the x-space KL of vgrpo.policy_loss(ref_kl_coef=...) against
+  the frozen base model, under LoRA the same transformer with its adapters switched off;
+- an EMA of the trainable weights, evaluated (--eval_with_ema) or exported (--export_ema) in place of them;
+- the hacking rule: at each evaluation, the trained reward rising while a monitored one falls by more than z standard
+  errors (or the rollouts' latent RMS drifting), which warns or stops the run.
+"""
+
+import contextlib
+import copy
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import adapters
+import parallel
+from failures import RunStopped
+
+# ----------------------------------------------------------------------------------------------
+# The frozen base model of the reference KL
+
+
+def frozen_base_velocity(model: adapters.FlowAdapter, frozen_copy, lora: bool):
+    """The base model's velocity for the reference KL: under LoRA the trained transformer with its adapters
+    switched off for the call (exactly the base; no second copy), under full fine-tuning the frozen copy's; None
+    without one (full fine-tuning at ref_kl_coef 0: a copy only to log ref_kl would double the weights)."""
+    if lora:
+        def velocity(*args):
+            model.transformer.disable_adapters()
+            try:
+                return model.velocity(*args)
+            finally:
+                model.transformer.enable_adapters()  # also makes the LoRA weights require grad again
+        return velocity
+    if frozen_copy is None:
+        return None
+    base = copy.copy(model)
+    base.transformer = frozen_copy
+    return base.velocity
+
+
+# ----------------------------------------------------------------------------------------------
+# EMA of the trainable weights
+
+
+@torch.no_grad()
+def ema_update(ema: list[torch.Tensor], params: list[torch.Tensor], decay: float) -> None:
+    """ema <- decay * ema + (1 - decay) * param, once per iteration, in float32 (the trainable weights' dtype)."""
+    for e, p in zip(ema, params):
+        e.lerp_(p.detach(), 1 - decay)
+
+
+@contextlib.contextmanager
+def ema_weights(params: list[torch.Tensor], ema: list[torch.Tensor]):
+    """The EMA weights in place of the trained ones inside the block (evaluation, export), swapped back after; one
+    tensor of temporary memory at a time."""
+    def swap():
+        with torch.no_grad():
+            for p, e in zip(params, ema):
+                kept = p.detach().clone()
+                p.copy_(e)
+                e.copy_(kept)
+    swap()
+    try:
+        yield
+    finally:
+        swap()
+
+
+# ----------------------------------------------------------------------------------------------
+# The hacking rule: warn (or stop) when the trained reward rises while a monitored one falls
+
+
+def hacking(evals: list[dict], monitored: list[str], *, window: int, z: float, samples: int) -> str:
+    """'' unless the last evaluation against the one `window` evaluations earlier shows the trained reward
+    (eval/reward_mean) higher while a monitored reward's mean fell by more than z standard errors of the difference,
+    sqrt(se_then^2 + se_now^2) with se = std over the evaluation samples / sqrt(samples): the model scores better on
+    what it is trained on and worse on what it does not see. Evaluation noise alone crosses z = 3 about 1 time in
+    700 per monitored reward and evaluation."""
+    if len(evals) <= window:
+        return ""
+    then, now = evals[-1 - window], evals[-1]
+    if not now["eval/reward_mean"] > then["eval/reward_mean"]:
+        return ""
+    reasons = []
+    for name in monitored:
+        before, after = then[f"eval/{name}_mean"], now[f"eval/{name}_mean"]
+        se = math.hypot(then[f"eval/{name}_std"], now[f"eval/{name}_std"]) / math.sqrt(samples)
+        if before - after > z * se:
+            reasons.append(f"the monitored {name} fell from {before:.4g} to {after:.4g} ({(before - after) / se:.1f} "
+                           f"standard errors) while the trained reward rose from {then['eval/reward_mean']:.4g} to "
+                           f"{now['eval/reward_mean']:.4g} (iterations {then['iteration']} -> {now['iteration']})")
+    return "; ".join(reasons)
+
+
+def x0_drift(x0_rms: float, first: float, bound: float) -> str:
+    """'' unless the rollouts' mean latent RMS moved from the first iteration's by more than the relative bound
+    (0: not checked): images drifting brighter, more saturated or towards noise move it."""
+    if not bound or abs(x0_rms / first - 1) <= bound:
+        return ""
+    return f"the rollouts' latent RMS moved from {first:.4g} to {x0_rms:.4g}, beyond --max_x0_drift {bound:g}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergence: stop before anything of the iteration is saved
+
+
+def consecutive_skips(run: int, skipped: int, num_grad_steps: int) -> int:
+    """Gradient steps skipped in a row, counted over iterations: an iteration that skipped all its steps adds them,
+    one that took any step ends the run of skips (scattered skips are rounding, not divergence)."""
+    return run + skipped if skipped == num_grad_steps else 0
+
+
+def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cfg, device) -> str:
+    """Why the run must stop, '' if it need not: non-finite rollouts, rewards or trainable weights on any rank, or
+    max_skipped_steps consecutive skipped gradient steps. Every rank gets the same answer."""
+    checks = {
+        "the rollouts are not finite": not torch.isfinite(x0).all(),
+        "the rewards are not finite": not all(torch.isfinite(s).all() for s in scores.values()),
+        "the trainable weights are not finite": not all(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local")
+                                                                      else p.detach()).all()
+                                                         for p in transformer.parameters() if p.requires_grad),
+        f"{skipped_run} consecutive gradient steps were skipped as non-finite": skipped_run >= cfg.max_skipped_steps,
+    }
+    flags = parallel.reduce_metrics({f"{i}_max": float(bad) for i, bad in enumerate(checks.values())}, device)
+    return "; ".join(reason for i, reason in enumerate(checks) if flags[f"{i}_max"] > 0)
+
+
+def stop_run(run_dir: Path, what: str, advice: str) -> None:
+    """Stop every rank with one line from rank 0 before anything of this iteration is saved: the last checkpoint
+    stays the one --resume uses."""
+    latest = run_dir / "checkpoints" / "latest"
+    kept = f"checkpoint {latest.read_text()} is kept" if latest.is_file() else "no checkpoint was written"
+    if dist.is_initialized():
+        parallel.barrier()
+        dist.destroy_process_group()
+    raise RunStopped(f"{what}. Nothing was saved from it; {kept}. {advice}")

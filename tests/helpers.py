@@ -1,0 +1,163 @@
+"""Helpers shared by the tests: running train.py and evaluate.py, reading what a run wrote, the checks several
+test files make (same training in 1 and N processes, an export that reproduces training).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adapters
+import parallel
+import reward_bridge
+import rewards
+import train
+
+ROOT = Path(__file__).resolve().parent.parent  # the project root: train.py, evaluate.py, ...
+
+
+# One gradient step per batch (the tiny preset takes 2): iteration 0 then measures the initial model itself, which the
+# 1-against-N-process comparisons rely on, and every step is taken at ratio 1.
+SMALL_RUN = ["--iterations", "2", "--num_prompts", "2", "--group_size", "4", "--micro_batch_size", "4",
+             "--sampling_steps", "4", "--eval_every", "1", "--eval_samples", "6", "--tiny_fit_steps", "0",
+             "--num_grad_steps", "1"]
+
+
+def run_train(*args, nproc=0, timeout=600):
+    """train.py as a subprocess (under torchrun with nproc processes if nproc)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if nproc else None  # 2 processes on 2 cores
+    proc = subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    # "done:" is printed by rank 0 after the export, whose collectives need every rank: the run is complete.
+    aborted_after_done = "done: " in proc.stdout and parallel.gloo_teardown_abort(proc.stdout + proc.stderr)
+    complete = proc.returncode == 0 or (nproc and aborted_after_done)
+    assert complete, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def one_line_stop(main, argv, capsys, code=2) -> str:
+    """main(argv) (train.main or evaluate.main) stops with exit code `code` (2: bad input, 1: a stopped run) and one
+    line on stderr starting "error: ", which is returned."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    lines = err.replace("\r", "\n").splitlines()  # model loading draws progress bars on stderr before it
+    assert exit_info.value.code == code and lines[-1].startswith("error: "), (exit_info.value.code, err)
+    assert "Traceback" not in err and sum(line.startswith("error") for line in lines) == 1, err
+    return lines[-1]
+
+
+def lora_weights(run_dir):
+    from safetensors.torch import load_file
+
+    return load_file(Path(run_dir) / "final" / "pytorch_lora_weights.safetensors")
+
+
+def adapter_for(pipe, family, dtype=torch.float32, **settings):
+    settings = {"resolution": 32, "sampling_steps": 5, "max_sequence_length": 8, **settings}
+    return adapters.ADAPTERS[family](pipe, dtype, **settings)
+
+
+IMAGE_FAMILIES = [family for family, adapter in adapters.ADAPTERS.items() if not adapter.video]
+
+
+def assert_same_training(one, many):
+    """Runs `one` (1 process) and `many` (several) trained on the same data to the same model."""
+    one, many = Path(one), Path(many)
+    a_metrics, b_metrics = read_metrics(one), read_metrics(many)
+    for a, b in zip(a_metrics, b_metrics, strict=True):
+        assert a["prompt_indices"] == b["prompt_indices"]
+        # Same data: rollouts, rewards and advantages are world-size independent.
+        for key in ("reward_mean", "reward_std", "frac_zero_std_groups", "surrogate_cv", "eval/reward_mean"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    # Iteration 0 runs on the initial weights, before any optimizer step, so it compares the model itself.
+    # Rounding differs with batch sizes (the text encoder sees 1 vs 2 prompts), so rewards differ by an ULP and
+    # advantages divide that by a within-group std of ~0.002: loss and gradient agree to ~1e-5 relative. A model
+    # that differs across ranks (e.g. LoRA initialised per rank: FSDP2 then shards a mix of two models) is off
+    # by percents.
+    assert b_metrics[0]["loss"] == pytest.approx(a_metrics[0]["loss"], abs=1e-4)
+    assert b_metrics[0]["grad_norm"] == pytest.approx(a_metrics[0]["grad_norm"], rel=1e-3)
+    # After a step no element-wise tolerance is safe: Adam moves each weight by ~lr whatever its gradient's size,
+    # so where a gradient component is near 0, ULP-level noise flips the sign of an lr-sized step (seen: 1 element
+    # in 1024 off by 1.03e-4). Compare the whole update instead. lora_B starts at 0 in both runs, so it IS the
+    # update: sign flips of a few near-zero components move its norm by sqrt(flipped fraction), a per-rank model
+    # mismatch decorrelates it (relative difference ~1). Measured: 7.8e-4 for 2 processes.
+    for kind in ("lora_B", "lora_A"):
+        w_one = torch.cat([v.flatten() for k, v in sorted(lora_weights(one).items()) if kind in k])
+        w_many = torch.cat([v.flatten() for k, v in sorted(lora_weights(many).items()) if kind in k])
+        assert w_one.norm() > 0 and ((w_many - w_one).norm() / w_one.norm()).item() < 0.05, kind
+
+
+def assert_export_reproduces_training(run_dir, base_dir, family, *, lora):
+    """`final/` loaded with the ordinary diffusers calls gives the trained transformer's output to float rounding."""
+    from diffusers import DiffusionPipeline
+
+    trained = train.load_trained(run_dir, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(2, *trained.latent_shape(), generator=g)
+    t, cond = torch.tensor([0.3, 0.8]), trained.encode(["a red car", "a blue flower"])
+    pipe = DiffusionPipeline.from_pretrained(base_dir)
+    loaded = adapter_for(pipe, family, resolution=trained.resolution, num_frames=trained.num_frames)
+    with torch.no_grad():
+        want, before = trained.velocity(z, t, cond), loaded.velocity(z, t, cond)
+        if lora:
+            pipe.load_lora_weights(run_dir / "final")
+        else:
+            loaded.transformer = type(pipe.transformer).from_pretrained(run_dir / "final" / "transformer")
+        got = loaded.velocity(z, t, cond)
+    assert (want - before).abs().max() > 1e-4  # training moved the model, so the check below can fail
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def smooth_images(n, h=40, w=56, seed=0):
+    """Low-frequency images quantised to uint8 levels (PNG and PIL round trips are then lossless)."""
+    g = torch.Generator().manual_seed(seed)
+    img = F.interpolate(torch.rand(n, 3, 5, 7, generator=g), size=(h, w), mode="bilinear", align_corners=False)
+    return (img * 255).round() / 255
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stub_geneval_scorer():
+    """GenEvalScorer with a stand-in detector (a 'dog' box on the left half whose confidence is the image's mean red,
+    a 'cat' box on the right half with the mean blue) and colours named by the crop's strongest channel."""
+    def detect(images):
+        return [{"dog": [rewards.Detection((0, 0, image.shape[1] / 2 - 1, image.shape[0] - 1), float(image[..., 0].mean() / 255))],
+                 "cat": [rewards.Detection((image.shape[1] / 2, 0, image.shape[1] - 1, image.shape[0] - 1),
+                                           float(image[..., 2].mean() / 255))]} for image in images]
+
+    def colors(image, objects, name):
+        crops = [reward_bridge.geneval_crop(image, d)[0].mean((1, 2)) for d in objects]
+        return [("red", "green", "blue")[int(c.argmax())] for c in crops]
+
+    return reward_bridge.GenEvalScorer(detect, colors, threshold=0.2)
+
+
+REAL_SMALL_RUN = ["--resolution", "64", "--max_sequence_length", "8", "--rewards", "color:1", "--num_prompts", "1",
+                  "--group_size", "2", "--rollout_batch_size", "2", "--sampling_steps", "2", "--iterations", "1",
+                  "--eval_every", "0", "--tiny_fit_steps", "0"]
+
+
+SAVED_REAL = {"sd3": "sd3.5-medium", "flux": "flux.1-dev", "qwenimage": "qwen-image", "flux2": "flux.2-klein-4b",
+              "wan": "wan2.1-t2v-1.3b"}
+
+
+# bf16 runs at real width use 4 image tokens (32 px) and 4 T5 tokens: CPUs without AVX-512 BF16 multiply a bf16 matrix
+# by a row-major bf16 weight (the input gradient of every frozen linear) ~50x slower than in float32, linearly in the
+# tokens; the widths, dtypes and layouts under test do not depend on the token count.
+BF16_TOKENS = ["--resolution", "32", "--max_sequence_length", "4"]

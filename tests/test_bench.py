@@ -1,0 +1,107 @@
+"""Tests of bench.py: its sections' accounting and tables on tiny settings.
+"""
+
+import math
+
+import torch
+
+import bench
+import builders
+import models
+import train
+from helpers import IMAGE_FAMILIES
+
+
+def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evaluation(tmp_path):
+    """Section 9's code path at 2 iterations, random tiny SD3: train.py and flow_grpo_sd3 start from the same weights
+    and evaluation (equal first evaluation up to one update), and each counts its own model evaluations per iteration:
+    64 samples x (8 ODE steps + K = 8 forwards and 8 backwards + 4 old-policy forwards: the tiny preset's second
+    mini-batch) against 64 x (10 SDE steps + 9 trained steps x (forward, backward, reference forward))."""
+    text, data = bench.section_sd3_stability(tmp_path, seeds=(0,), lrs={"V-GRPO": (1e-3,), bench.MDP: (1e-3,)},
+                                             iterations={"V-GRPO": 2, bench.MDP: 2}, eval_every=1, fit_steps=0,
+                                             flags=("--eval_samples", "8"))
+    ours, base = data["histories"]["V-GRPO"]["0.001"][0], data["histories"][bench.MDP]["0.001"][0]
+    assert [h["nfe"] for h in ours] == [64 * 28, 2 * 64 * 28] and [h["nfe"] for h in base] == [64 * 37, 2 * 64 * 37]
+    assert all(h["eval"] is not None and h["seconds"] > 0 for h in ours + base)
+    assert abs(ours[0]["eval"] - base[0]["eval"]) < 1e-3
+    assert text.count("\n| V-GRPO | 0.001 |") == len(bench.SD3_THRESHOLDS) == text.count(f"\n| {bench.MDP} | 0.001 |")
+
+
+def test_comparison_takes_each_methods_best_learning_rate_among_those_every_seed_reaches():
+    def cost(nfe):
+        return None if nfe is None else dict(iterations=1, nfe=nfe, seconds=nfe / 100)
+
+    costs = {"V-GRPO": {1e-3: [cost(10), cost(30)], 3e-3: [cost(5), None]},  # 3e-3 is cheaper but misses a seed
+             bench.MDP: {1e-3: [cost(80), cost(60)], 3e-3: [cost(40), cost(30)]}}
+    assert bench.best_lr(costs["V-GRPO"]) == 1e-3 and bench.best_lr(costs[bench.MDP]) == 3e-3
+    same, best = bench.comparison(costs, 1e-3).splitlines()
+    assert "at the same lr 0.001: model evaluations x5.000 ± 3.000" in same  # 80/10, 60/30
+    assert "each at its best lr (V-GRPO 0.001, Flow-GRPO (MDP) 0.003): model evaluations x2.500 ± 1.500" in best
+    costs["V-GRPO"][1e-3][1] = None
+    assert "best against best: not comparable (V-GRPO" in bench.comparison(costs, 1e-3)
+
+
+def test_stability_table_counts_success_only_before_a_divergence():
+    def run(rewards, fracs):
+        return [{"reward_mean": r, "frac_target_mode": f, "nfe_fwd": 100 * i, "nfe_bwd": 50 * i}
+                for i, (r, f) in enumerate(zip(rewards, fracs), 1)]
+
+    steady = run([-2.0, -1.0, -0.5, -0.6], [0.3, 0.95, 0.99, 0.99])
+    late = run([-2.0, -11.0, -0.5, -0.4], [0.3, 0.4, 0.95, 0.99])  # succeeds only after leaving the range
+    broken = run([-2.0, -1.0, float("nan"), float("nan")], [0.3, 0.95, 0.1, 0.1])  # succeeds, then non-finite
+    assert [bench.diverged_at(h) for h in (steady, late, broken)] == [None, 1, 2]
+    row = bench.stability_row("v", 1e-2, [steady, late, broken])
+    # diverged 2/3; success counted for steady and broken (before its divergence), at iteration 1 with 300 evaluations;
+    # fall-back only over runs that did not diverge: best -0.5, final -0.6
+    assert row == ["v", "0.01", "2/3", "2/3", "1", "0k", "0.100"]
+
+
+def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
+    """The GPU section's code path (random transformers built directly in their dtype, LoRA, activation
+    checkpointing, the preset's CFG in the sampling step) for every family, at the tiny pipelines' sizes."""
+    tiny = {family: dict(family=family, config=dict(builders.tiny_pipeline(family).transformer.config), resolution=32,
+                         steps=2, tokens=8, cfg=4.0 if family in ("qwenimage", "flux2") else 1.0, samples=2)
+            for family in IMAGE_FAMILIES}  # the families bench.py's GPU section measures
+    text, results = bench.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32,
+                                      rollout_batches={n: (2,) for n in tiny}, backend="eager")
+    assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)} | {f"{n} rollout-batch=2" for n in tiny}
+    training = [r for key, r in results.items() if "ckpt" in key]
+    assert all(r["step_s"] > 0 and r["floor_s"] > 0 and math.isfinite(r["ratio"]) for r in training)
+    assert all(text.count(f"\n| {n} |") == 3 for n in tiny)
+    # FLOPs of a sampling step: at least those of its linear layers, 2 x in x out per row, counted by hooks
+    for n, spec in tiny.items():
+        model, linear = bench.RandomModel(spec, torch.device("cpu"), torch.float32), []
+        for m in model.transformer.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_hook(lambda m, args, out: linear.append(2 * out.numel() * m.in_features))
+        cond = {k: v.expand(2, *v.shape[1:]) for k, v in model.cond_template.items()}
+        velocity = model.guided(model.velocity, model.cond_template, spec["cfg"]) if spec["cfg"] != 1 else model.velocity
+        with torch.no_grad():
+            velocity(torch.randn(2, *model.latent_shape()), torch.full((2,), 0.5), cond)
+        r = results[f"{n} rollout-batch=2"]
+        assert sum(linear) <= r["flops"] and r["eager_mfu"] is None and r["compiled_images_per_s"] > 0
+    model = bench.RandomModel({**tiny["qwenimage"], "samples": 2}, torch.device("cpu"), torch.bfloat16)
+    assert {p.dtype for p in model.transformer.parameters()} == {torch.bfloat16}
+    assert torch.equal(model.cond_template["mask"], torch.ones_like(model.cond_template["mask"]))
+    assert model.cond_template["embeds"].std() > 0.5  # random text features, not cond_like's zeros
+
+
+def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs):
+    """Section 6's code path, on the tiny pipelines in place of the hub checkpoints."""
+    small = ("--resolution", "32", "--max_sequence_length", "8", "--sampling_steps", "3", "--tiny_fit_steps", "0",
+             "--lr", "1e-2", "--micro_batch_size", "1")
+    presets = {"sd35m": "sd3", "flux": "flux", "qwenimage": "qwenimage", "flux2": "flux2"}
+    text, results = bench.section_real_models({p: tiny_dirs / family for p, family in presets.items()},
+                                              device=torch.device("cpu"), small_run=small)
+    for r in results.values():
+        assert r["rollout_vs_pipe"] < 1e-5 and r["export_vs_trained"] < 1e-5 < 1e-4 < r["trained_vs_base"]
+        assert r["checkpoint_dtypes"] == ["torch.float32"]
+    assert all(text.count(f"\n| {p} |") == 1 for p in presets)
+
+
+def test_bench_scale_section_counts_the_old_pass_rows_it_saves():
+    model = bench.tiny_model()
+    model.transformer.add_adapter(models.lora_config(train.Config()))
+    saving = bench.old_pass_saving(model, model.encode(["a red car"]), samples=8, num_grad_steps=2, repeats=1)
+    assert saving["rows_per_sample"] == {"before": {"grad": 4, "no_grad": 4}, "after": {"grad": 4, "no_grad": 2}}
+    assert saving["before_s"] > 0 and saving["after_s"] > 0
