@@ -458,8 +458,23 @@ class Wan(ChannelStandardised, FlowAdapter):
     def __init__(self, pipe, dtype: torch.dtype = torch.float32, **settings):
         if getattr(pipe, "transformer_2", None) is not None:
             raise ConfigError("Wan2.2-A14B's two experts (switched at a boundary timestep) are not supported; use "
-                                   "Wan2.1-T2V or Wan2.2-TI2V-5B (one transformer)")
+                              "Wan2.1-T2V or Wan2.2-TI2V-5B (one transformer)")
         super().__init__(pipe, dtype, **settings)
+        self.check_rotary_table()
+
+    def check_rotary_table(self) -> None:
+        """The transformer's rotary table holds rope_max_seq_len positions on each axis (latent frames, rows, columns
+        of patches); a longer video failed deep inside its first forward ("shape '[33, 1, 1, -1]' is invalid")."""
+        config, vae = self.transformer.config, self.pipe.vae.config
+        frames, height, width = self.latent_shape()[1:]
+        positions = [n // p for n, p in zip((frames, height, width), config.patch_size)]
+        if max(positions) <= config.rope_max_seq_len:
+            return
+        longest = 1 + (config.rope_max_seq_len * config.patch_size[0] - 1) * vae.scale_factor_temporal
+        raise ConfigError(f"--num_frames {self.num_frames} at {self.resolution} x {self.width} px is {positions[0]} "
+                          f"latent frames of {positions[1]} x {positions[2]} patches; this {type(self.transformer).__name__} "
+                          f"has rotary positions for at most {config.rope_max_seq_len} on each axis: at most "
+                          f"{longest} frames, and fewer pixels")
 
     @staticmethod
     def to_vae_pixels(videos: torch.Tensor) -> torch.Tensor:

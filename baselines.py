@@ -200,6 +200,6 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
         entry = dict(reward_mean=reward.mean().item(), eval=None, nfe=nfe, seconds=seconds)
         if it % eval_every == 0 or it == iterations - 1:
             entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
-                                           None)["eval/reward_mean"]
+                                              None)["eval/reward_mean"]
         history.append(entry)
     return history

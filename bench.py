@@ -241,7 +241,7 @@ def toy_cost(history: list[dict]) -> dict | None:
     """Iterations (the one reaching it included), model evaluations and seconds to the first success."""
     hit = first_success(history)
     return None if hit is None else dict(iterations=hit + 1, nfe=history[hit]["nfe_fwd"] + history[hit]["nfe_bwd"],
-                                          seconds=history[hit]["seconds"])
+                                         seconds=history[hit]["seconds"])
 
 
 def best_lr(costs: dict[float, list]) -> float | None:
@@ -291,7 +291,7 @@ def section_mdp(toy_model, out: Path, lrs=MDP_TOY_LRS, seeds=SEEDS, iterations: 
              f"{np.median([h[-1]['reward_mean'] for h in runs[name][lr]]):.2f}"] for name in methods for lr in lrs]
     same_lr = vgrpo.ToyConfig().lr
     plot(out / "mdp_baseline.png", {f"{n} @ {same_lr:g}": np.mean([[x["reward_mean"] for x in h]
-                                                                    for h in runs[n][same_lr]], 0) for n in methods},
+                                                                   for h in runs[n][same_lr]], 0) for n in methods},
          title="2-D toy: V-GRPO vs Flow-GRPO (mean of seeds)", ylabel="reward")
     text = ("Same pretrained toy model, reward, prompts per iteration (8 x 16), 16 sampling steps and seeds "
             f"{seeds[0]}-{seeds[-1]}; AdamW at each learning rate, up to {iterations} iterations. V-GRPO: ToyConfig's "
@@ -304,7 +304,7 @@ def section_mdp(toy_model, out: Path, lrs=MDP_TOY_LRS, seeds=SEEDS, iterations: 
             + table(["method", "lr", "seeds reaching success", "median iterations", "median NFE", "median seconds",
                      "median final reward"], rows) + "\n\n" + comparison(costs, same_lr))
     return text, {"costs": costs, "curves": {n: {str(lr): [[x["reward_mean"] for x in h] for h in hs]
-                                                  for lr, hs in by_lr.items()} for n, by_lr in runs.items()}}
+                                                 for lr, hs in by_lr.items()} for n, by_lr in runs.items()}}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -448,7 +448,7 @@ def sd3_stability_report(runs: dict, out: Path, *, seeds, iterations: dict, eval
             "evaluations of training (rollouts included, evaluations not); seconds likewise; fall-back = best eval minus "
             "the lowest eval after it (median / largest over seeds; the last column: seeds falling back more than 0.01)."
             "\n\n" + table(["method", "lr", "eval threshold", "seeds reaching it", "median iterations", "median NFE",
-                             "median seconds", "fall-back median / max", "seeds falling back > 0.01"], rows)
+                            "median seconds", "fall-back median / max", "seeds falling back > 0.01"], rows)
             + "\n\n" + "\n\n".join(summary))
     return text, {"curves": curves, "histories": {n: {str(lr): hs for lr, hs in by_lr.items()} for n, by_lr in runs.items()}}
 
@@ -599,7 +599,7 @@ def tiny_model(fit_steps: int = 0) -> adapters.SD3:
     """The tiny SD3 pipeline of train.py behind its adapter."""
     cfg = train.Config()
     return adapters.SD3(builders.tiny_pipeline("sd3", seed=0, fit_steps=fit_steps), resolution=cfg.resolution,
-                      sampling_steps=cfg.sampling_steps, max_sequence_length=cfg.max_sequence_length)
+                        sampling_steps=cfg.sampling_steps, max_sequence_length=cfg.max_sequence_length)
 
 
 def run_train(args: list[str], nproc: int) -> list[dict]:
@@ -801,7 +801,7 @@ class RandomModel:
             parallel.apply_fsdp(self.transformer, device, dtype)
         pipe = types.SimpleNamespace(transformer=self.transformer, vae_scale_factor=8)  # all the adapter reads
         adapter = adapters.ADAPTERS[spec["family"]](pipe, dtype, resolution=spec["resolution"], sampling_steps=spec["steps"],
-                                                  max_sequence_length=spec["tokens"])
+                                                    max_sequence_length=spec["tokens"])
         self.velocity, self.latent_shape, self.guided = adapter.velocity, adapter.latent_shape, adapter.guided
         # encode()'s shapes from the adapter; random values, except a text mask (Qwen-Image's), which stays all ones
         self.cond_template = {k: v if k == "mask" else torch.randn_like(v) for k, v in adapter.cond_like(1).items()}
@@ -896,7 +896,7 @@ def section_gpu(sizes: dict | None = None, device=None, dtype=torch.bfloat16, re
             f"--compile {backend}): TFLOP per sampling step counted by torch's FlopCounterMode; MFU = FLOP/s against "
             + (f"the card's dense bf16 peak, {peak:g} TFLOP/s" if peak else "a known card's dense bf16 peak (none here)")
             + ".\n\n" + table(["model", "batch", "TFLOP per step", "eager ms", "eager images/s", "eager MFU",
-                                 "compiled ms", "compiled images/s", "compiled MFU", "speed-up"], rows[1]))
+                               "compiled ms", "compiled images/s", "compiled MFU", "speed-up"], rows[1]))
     return text, results
 
 
@@ -1016,7 +1016,9 @@ def main() -> None:
     parser.add_argument("--reduced", action="store_true",
                         help="section 6 on real-width, reduced-depth pipelines with random weights (no hub)")
     args = parser.parse_args()
-    sections = {int(s) for s in args.sections.split(",")}
+    sections = {int(s) for s in args.sections.split(",") if s.strip().isdigit()}
+    if not sections or len(sections) != len(args.sections.split(",")) or not sections <= set(range(1, 11)):
+        parser.error(f"--sections {args.sections!r}: comma-separated section numbers from 1 to 10")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)

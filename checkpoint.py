@@ -14,6 +14,7 @@ import os
 import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 
 import parallel
 from failures import ConfigError, RunStopped
+
+# torch.distributed.checkpoint warns on every save/load without a process group; one process is intended there.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: torch.distributed.checkpoint (sharded), written to a temp dir then renamed
@@ -68,10 +72,11 @@ def save_checkpoint(run_dir: Path, iteration: int, transformer, optimizer, rank:
         with contextlib.suppress(OSError):
             (root / "latest.tmp").unlink()
         latest = root / "latest"
-        kept = f"{latest} still names {latest.read_text()}" if latest.is_file() else "no checkpoint was written before"
+        kept = (f"{latest} still names {latest.read_text()}: free space and run the same command again, it continues "
+                "from there" if latest.is_file() else "no checkpoint was written before: free space and run the same "
+                "command again, it starts the run over")
         cause = getattr(error, "strerror", None) or str(error).strip().splitlines()[-1][:200]
-        raise RunStopped(f"could not write checkpoint {final} ({cause}): is the disk full? {kept}; free space and "
-                         f"--resume {run_dir}") from None
+        raise RunStopped(f"could not write checkpoint {final} ({cause}): is the disk full? {kept}") from None
     parallel.barrier()
 
 

@@ -19,6 +19,11 @@ tasks of the fraction of correct images) and the per-task accuracies; `ocr` is t
 OUT/table.md (also printed) and OUT/grid.png (one row per model, the first prompts as columns).
 """
 
+import failures  # isort: split  (first: it imports no torch, and catches a Ctrl-C during the imports below)
+
+if __name__ == "__main__":
+    failures.quiet_ctrl_c_while_importing()
+
 import argparse
 import dataclasses
 import json
@@ -34,7 +39,6 @@ import torch.distributed as dist
 
 import adapters
 import builders
-import failures
 import models
 import parallel
 import prompts as prompt_sets
@@ -150,7 +154,7 @@ def sample_row(name: str, cfg: train.Config, family: str, listed: list, samples:
     noise = rollouts.initial_noise(cfg, model, "evaluate", 0, mine, device)
     collected = {n: Collected(fn) for n, fn in reward_fns.items()}
     x0, scores = rollouts.rollout(cfg, model, rollouts.guided_velocity(cfg, model, device), batch, cond, noise, collected,
-                               progress=name if rank == 0 else "")
+                                  progress=name if rank == 0 else "")
     shown = [i for i, k in enumerate(mine) if k % samples == 0 and k // samples < GRID_PROMPTS]
     with torch.no_grad():
         images = model.decode(x0[shown]).float().cpu() if shown else torch.empty(0)

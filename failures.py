@@ -3,7 +3,8 @@
 Every problem a user can act on is a UserError (ConfigError: bad input, exit 2; RunStopped: a run that cannot go on,
 exit 1), reported by one_line_errors as one line from one rank, the traceback only with VGRPO_DEBUG=1. Also here:
 Ctrl-C before the training loop, library messages nobody can act on, and sizes no machine holds. What watches a
-training run and stops it (divergence, reward hacking) is guards.py's. This file imports nothing of the project's.
+training run and stops it (divergence, reward hacking) is guards.py's. This file imports nothing of the project's,
+and torch only inside functions: train.py and evaluate.py import it first, to catch a Ctrl-C during their imports.
 """
 
 import contextlib
@@ -11,9 +12,6 @@ import logging
 import os
 import signal
 import sys
-
-import torch
-import torch.distributed as dist
 
 # ----------------------------------------------------------------------------------------------
 # Errors a user can fix: one line each, from one rank
@@ -23,9 +21,11 @@ DEBUG_VARIABLE = "VGRPO_DEBUG"
 
 
 class UserError(Exception):
-    """A problem the user can act on, reported as one line ending in what to do; exit_code says which kind."""
+    """A problem the user can act on, reported as one line ending in what to do; exit_code says which kind, from_rank
+    which rank says it (every rank finds the same problem, or was told by that rank)."""
 
     exit_code = 1
+    from_rank = 0
 
 
 class ConfigError(UserError, ValueError):
@@ -40,22 +40,38 @@ class RunStopped(UserError):
 
 @contextlib.contextmanager
 def one_line_errors():
-    """The top-level handler of train.py and evaluate.py: a UserError becomes `error: ...` on stderr from rank 0 only
-    (every rank finds the same, or was told by rank 0) and its exit code; Ctrl-C before the training loop takes over
-    (model loading, the tiny fit) stops quietly. With VGRPO_DEBUG=1 the traceback is shown, for reports."""
+    """The top-level handler of train.py and evaluate.py: a UserError becomes `error: ...` on stderr from one rank
+    (its from_rank) and its exit code; Ctrl-C before the training loop takes over (model loading, the tiny fit) stops
+    quietly. With VGRPO_DEBUG=1 the traceback is shown, for reports."""
     try:
         yield
     except (UserError, KeyboardInterrupt) as error:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # leaving already: a second signal (torchrun's agent sends one
+            signal.signal(sig, signal.SIG_IGN)  # when a rank dies) must not raise again from the interpreter's exit
+        import torch.distributed as dist
+
         if dist.is_initialized():  # every rank raised it together (or was killed): leave gloo / nccl cleanly
             dist.destroy_process_group()
         if os.environ.get(DEBUG_VARIABLE) == "1":
             raise
         if isinstance(error, KeyboardInterrupt):
-            print("stopped (Ctrl-C) before the first iteration: nothing to save", file=sys.stderr, flush=True)
+            if os.environ.get("RANK", "0") == "0":
+                print("stopped (Ctrl-C) before the first iteration: nothing to save", file=sys.stderr, flush=True)
             raise SystemExit(130) from None
-        if os.environ.get("RANK", "0") == "0":
+        if int(os.environ.get("RANK", "0")) == error.from_rank:
             print(f"error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(error.exit_code) from None
+
+
+def quiet_ctrl_c_while_importing() -> None:
+    """Ctrl-C during a script's imports (torch and diffusers take seconds): one line and exit 130, not a traceback
+    from inside an import. main() installs the handlers of the run itself (remember_ctrl_c)."""
+    def handler(signum, frame):
+        if os.environ.get("RANK", "0") == "0":
+            print("stopped (Ctrl-C) while starting: nothing to save", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, handler)
 
 
 _ctrl_c = {"pressed": False}
@@ -130,6 +146,8 @@ def check_sizes(cfg, world_size: int, memory_gb: float) -> None:
 
 def machine_memory_gb() -> float:
     """What one rank computes in: its GPU's memory, else the machine's RAM."""
+    import torch
+
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", 0))).total_memory / GiB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import adapters
 import parallel
+import runs
 from failures import RunStopped
 
 # ----------------------------------------------------------------------------------------------
@@ -125,8 +126,8 @@ def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cf
         "the rollouts are not finite": not torch.isfinite(x0).all(),
         "the rewards are not finite": not all(torch.isfinite(s).all() for s in scores.values()),
         "the trainable weights are not finite": not all(torch.isfinite(p.detach().to_local() if hasattr(p, "to_local")
-                                                                      else p.detach()).all()
-                                                         for p in transformer.parameters() if p.requires_grad),
+                                                                       else p.detach()).all()
+                                                        for p in transformer.parameters() if p.requires_grad),
         f"{skipped_run} consecutive gradient steps were skipped as non-finite": skipped_run >= cfg.max_skipped_steps,
     }
     flags = parallel.reduce_metrics({f"{i}_max": float(bad) for i, bad in enumerate(checks.values())}, device)
@@ -135,10 +136,47 @@ def divergence(x0: torch.Tensor, scores: dict, skipped_run: int, transformer, cf
 
 def stop_run(run_dir: Path, what: str, advice: str) -> None:
     """Stop every rank with one line from rank 0 before anything of this iteration is saved: the last checkpoint
-    stays the one --resume uses."""
+    stays the one a continued run starts from."""
     latest = run_dir / "checkpoints" / "latest"
     kept = f"checkpoint {latest.read_text()} is kept" if latest.is_file() else "no checkpoint was written"
     if dist.is_initialized():
         parallel.barrier()
         dist.destroy_process_group()
     raise RunStopped(f"{what}. Nothing was saved from it; {kept}. {advice}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The watch: what train() asks after every iteration
+
+
+class Watch:
+    """What watches a run across iterations: the run of consecutive skipped gradient steps (divergence), the
+    evaluations and the first rollouts' latent RMS (the hacking rule). A continued run reads its earlier iterations
+    from metrics.jsonl, so it watches as the straight run would have."""
+
+    def __init__(self, cfg, run_dir: Path, start: int, monitored: list[str], samples: int):
+        earlier = [m for m in runs.read_metrics(run_dir) if m["iteration"] < start] if start else []
+        self.cfg, self.run_dir, self.monitored, self.samples = cfg, run_dir, monitored, samples
+        self.evals = [m for m in earlier if "eval/reward_mean" in m]
+        self.first_x0_rms = next((m["x0_rms"] for m in earlier if "x0_rms" in m), None)
+        self.skipped_run = 0
+
+    def check(self, it: int, x0: torch.Tensor, scores: dict, update: dict, metrics: dict, transformer, device) -> str:
+        """Stops every rank (RunStopped, the last checkpoint kept) when iteration `it` diverged or, with
+        stop_on_hacking, looks like reward hacking; returns a warning to print ('' if none) otherwise."""
+        cfg = self.cfg
+        self.skipped_run = consecutive_skips(self.skipped_run, int(update["skipped_steps"]), cfg.num_grad_steps)
+        reason = divergence(x0, scores, self.skipped_run, transformer, cfg, device)
+        if reason:
+            stop_run(self.run_dir, f"training diverged at iteration {it}: {reason}", "Lower --lr or --max_grad_norm, or "
+                     f"raise --num_mc: --resume {self.run_dir} with them continues from that checkpoint, --fresh starts over")
+        self.first_x0_rms = self.first_x0_rms or metrics["x0_rms"]
+        hacked = ""
+        if "eval/reward_mean" in metrics:
+            self.evals.append({"iteration": it, **metrics})
+            hacked = hacking(self.evals, self.monitored, window=cfg.hacking_window, z=cfg.hacking_z, samples=self.samples)
+        hacked = hacked or x0_drift(metrics["x0_rms"], self.first_x0_rms, cfg.max_x0_drift)
+        if hacked and cfg.stop_on_hacking:
+            stop_run(self.run_dir, f"possible reward hacking at iteration {it}: {hacked}", "Inspect the sample grids; "
+                     "raise --ref_kl_coef or lower --lr, or --resume without --stop_on_hacking to go on")
+        return f"warning: possible reward hacking at iteration {it}: {hacked} (--stop_on_hacking stops here)" if hacked else ""

@@ -9,13 +9,13 @@ float32 master weights. The checks a loaded model gets before training (its sigm
 import json
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
 
 import adapters
 import builders
-import models
 from adapters import ADAPTERS, PIPELINE_FAMILIES, FlowAdapter
 from failures import ConfigError
 
@@ -93,9 +93,15 @@ def load_pipeline(cfg, family: str, device: torch.device, dtype: torch.dtype,
     import diffusers
 
     adapter = adapters.ADAPTERS[family]
+    behind = partial(adapter, dtype=dtype, resolution=cfg.resolution, sampling_steps=cfg.sampling_steps,
+                     max_sequence_length=cfg.max_sequence_length, guidance=cfg.flux_guidance,
+                     num_frames=frames_of(cfg.num_frames, cfg.model, family), width=cfg.width)
     if cfg.model in builders.TINY_MODELS:  # built in float32; cast only to another dtype (diffusers warns on any cast)
-        pipe = builders.tiny_pipeline(family, seed=cfg.seed, fit_steps=cfg.tiny_fit_steps,
-                                    progress=os.environ.get("RANK", "0") == "0")
+        pipe = builders.tiny_pipeline(family, seed=cfg.seed)
+        behind(pipe)  # the adapter's checks (a video its rotary table holds) before the fit's minute, not after
+        if cfg.tiny_fit_steps:
+            builders.fit_tiny_pipeline(pipe, adapter, steps=cfg.tiny_fit_steps, seed=cfg.seed,
+                                       progress=os.environ.get("RANK", "0") == "0")
         pipe = pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
     else:  # from_pretrained keeps the modules a model marks as float32-only in float32 (none in bf16 since transformers 5)
         pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, dtype=dtype)
@@ -108,16 +114,14 @@ def load_pipeline(cfg, family: str, device: torch.device, dtype: torch.dtype,
             module.eval().requires_grad_(False)
             stays = (name == "transformer" and sharded) or (name.startswith("text_encoder") and cfg.offload_text_encoders)
             module.to("cpu" if stays else device)
-    return adapter(pipe, dtype, resolution=cfg.resolution, sampling_steps=cfg.sampling_steps,
-                   max_sequence_length=cfg.max_sequence_length, guidance=cfg.flux_guidance,
-                   num_frames=models.frames_of(cfg.num_frames, cfg.model, family), width=cfg.width)
+    return behind(pipe)
 
 
 def lora_config(cfg):
     from peft import LoraConfig
 
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, init_lora_weights="gaussian",
-                      target_modules=models.lora_targets(cfg.lora_targets, models.model_family(cfg.model)))
+                      target_modules=lora_targets(cfg.lora_targets, model_family(cfg.model)))
 
 
 def make_trainable(transformer: torch.nn.Module, cfg) -> None:
@@ -126,7 +130,7 @@ def make_trainable(transformer: torch.nn.Module, cfg) -> None:
     LoRA matrix never moved). Gradients and AdamW states follow the parameters' dtype; compute stays in the
     pipeline's dtype (autocast in the adapters, MixedPrecisionPolicy under FSDP2)."""
     if cfg.lora_rank:
-        models.check_lora_targets(transformer, models.lora_targets(cfg.lora_targets, models.model_family(cfg.model)))
+        check_lora_targets(transformer, lora_targets(cfg.lora_targets, model_family(cfg.model)))
         transformer.add_adapter(lora_config(cfg))
     else:
         transformer.requires_grad_(True)
@@ -157,8 +161,8 @@ def check_sampling_grid(model: FlowAdapter, solver: str = "euler") -> None:
     order 2 (FlowMatchHeun) repeats timesteps, which would miscount the rollout cost."""
     if solver == "scheduler" and model.pipe.scheduler.order != 1:
         raise ConfigError(f"--solver scheduler steps schedulers that evaluate the model once per step; this model's "
-                               f"{type(model.pipe.scheduler).__name__} is of order {model.pipe.scheduler.order}: use "
-                               "--solver heun (Heun's method on the pipeline's sigma grid)")
+                          f"{type(model.pipe.scheduler).__name__} is of order {model.pipe.scheduler.order}: use "
+                          "--solver heun (Heun's method on the pipeline's sigma grid)")
     grid = model.timesteps()
     if not torch.isfinite(grid).all():
         raise ConfigError(f"{model.pipeline_class}'s scheduler gives a sigma grid that is not finite for --sampling_steps "

@@ -7,28 +7,101 @@ parts (VAE, text encoders, reward models) stay replicated, and rank 0 decides wh
 
 import contextlib
 import os
+import socket
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import adapters
+from failures import RunStopped, UserError
 
 # ----------------------------------------------------------------------------------------------
-# Processes
+# Processes: the group, its restarts, and peers that die
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
-    """Rank, world size and device; initialises the process group under torchrun (nccl on GPU, gloo on CPU)."""
+    """Rank, world size and device; initialises the process group under torchrun (nccl on GPU, gloo on CPU) on a
+    store of its own per restart (restart_store), and notes every rank's host and pid (lost_ranks)."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = restart_store()
+    group = dict(store=store, rank=rank, world_size=world) if store else {}
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device, **group)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), device
+        dist.init_process_group("gloo", **group)
+    _peers[:] = [None] * world
+    dist.all_gather_object(_peers, (socket.gethostname(), os.getpid()))
+    return rank, world, device
+
+
+def restart_store() -> dist.Store | None:
+    """The process group's store under torchrun: its agent's store (MASTER_ADDR:MASTER_PORT), which outlives the
+    workers across --max_restarts, under a prefix of its own per restart. Without the prefix a restarted group reads
+    the dead group's keys: gloo dialled the dead workers' ports ("connectFullMesh failed ... Connection refused") and
+    the restart failed. None (init_process_group's own env:// rendezvous) where torchrun's agent hosts no store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    return dist.PrefixStore(f"v-grpo/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent)
+
+
+def restarted() -> bool:
+    """This process restarts an earlier launch of the same job: torchrun --max_restarts, or a Slurm requeue."""
+    return any(int(os.environ.get(name, "0") or 0) > 0 for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
+_peers: list[tuple[str, int] | None] = []  # (host, pid) of every rank, in rank order (setup_distributed)
+
+
+def lost_ranks() -> list[int]:
+    """Ranks of this machine whose process has ended (a kill -9, an out-of-memory kill, a crash): a collective
+    with them fails or hangs. Ranks on other machines cannot be seen from here and are not listed."""
+    host = socket.gethostname()
+    return [rank for rank, peer in enumerate(_peers) if peer and peer[0] == host and not _alive(peer[1])]
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and has not ended: a killed worker stays a zombie until torchrun's agent reaps it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc (not Linux): whether the pid exists at all
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+@contextlib.contextmanager
+def stop_if_a_peer_dies(run_dir: Path):
+    """Inside: an error (a collective that failed: gloo's "Connection closed by peer", an interrupted checkpoint)
+    that comes with a rank of this machine gone becomes one line, from the lowest surviving rank, saying which rank
+    died and which checkpoint the same command continues from. Other errors pass through as they are."""
+    try:
+        yield
+    except Exception as error:
+        lost = lost_ranks() if dist.is_initialized() else []
+        if not lost or isinstance(error, UserError):
+            raise
+        raise PeerLost(lost, run_dir) from None
+
+
+class PeerLost(RunStopped):
+    def __init__(self, lost: list[int], run_dir: Path):
+        latest = Path(run_dir) / "checkpoints" / "latest"
+        kept = (f"the last checkpoint, {latest.read_text()}, is intact and the same command continues from it"
+                if latest.is_file() else "no checkpoint was written yet: the same command starts the run again")
+        super().__init__(f"rank {', '.join(map(str, lost))} (pid {', '.join(str(_peers[r][1]) for r in lost)}) stopped, "
+                         f"and this rank cannot go on without it; {kept} (torchrun --max_restarts does so by itself)")
+        self.from_rank = min(set(range(len(_peers))) - set(lost))  # one line, from the lowest surviving rank
 
 
 # ----------------------------------------------------------------------------------------------
@@ -78,6 +151,14 @@ def broadcast_from_rank0(value: str) -> str:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def shutdown() -> None:
+    """The end of a run under torchrun: every rank waits (rank 0 may still be writing the export: nobody tears gloo /
+    nccl down under it), then leaves the group."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def gloo_teardown_abort(output: str) -> bool:

@@ -24,6 +24,7 @@ from there afterwards; offline with an empty cache the run stops in one line say
 """
 
 import json
+import os
 import sys
 import zlib
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from typing import Callable
 
 import numpy as np
 
+import builders
+import models
 import rewards
 from failures import ConfigError
 
@@ -40,6 +43,31 @@ from failures import ConfigError
 class Prompt:
     text: str
     metadata: dict
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's prompts
+
+
+def training_prompts(cfg) -> tuple[list[Prompt], list[Prompt]]:
+    """The training prompts and the eval_samples evaluation prompts (position i gets fixed noise i): --prompts (a file
+    or a named set's train split; tiny models have built-ins) and --eval_prompts, by default the named set's test
+    split or else the first training prompts, cycled. Checked against what the rewards need from each prompt.
+    cfg: a train.Config."""
+    if not cfg.prompts and cfg.model not in builders.TINY_MODELS:
+        raise ConfigError(f"--prompts is required for a real model: a .txt (one prompt per line) or .jsonl file, or a "
+                          f"named set ({', '.join(SETS)})")
+    say = print if os.environ.get("RANK", "0") == "0" else (lambda _: None)
+    prompts = (load(cfg.prompts, split="train", say=say) if cfg.prompts
+               else [Prompt(p, {}) for p in builders.tiny_prompts(models.model_family(cfg.model))])
+    eval_spec = cfg.eval_prompts or test_split(cfg.prompts)
+    listed = load(eval_spec, split="test", say=say) if eval_spec else prompts[:cfg.eval_samples]
+    eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]
+    names = rewards.parse_reward_spec(cfg.rewards)
+    check_for_rewards(prompts, names, cfg.prompts or "the built-in prompts")
+    if eval_spec:
+        check_for_rewards(eval_prompts, names, eval_spec)
+    return prompts, eval_prompts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,8 +419,11 @@ def main() -> None:
         prompts = load(sys.argv[1], say=lambda line: print(line, file=sys.stderr))
     except ConfigError as error:
         sys.exit(f"error: {error}")
-    for p in prompts:
-        print(json.dumps({**p.metadata, "prompt": p.text}))
+    try:
+        for p in prompts:
+            print(json.dumps({**p.metadata, "prompt": p.text}))
+    except BrokenPipeError:  # the reader stopped early (`| head`): nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # and no second error at exit's flush
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ class HttpReward:
                 raise RewardServerError(f"reward server {self.url} rejected the request ({status}): {detail}")
             last = f"HTTP {status}: {detail}"
         raise RewardServerError(f"reward server {self.url} gave no answer after {self.retries} attempts (last error: "
-                              f"{last}). Is it running? Start one with `python rewards.py serve NAME --port PORT`.")
+                                f"{last}). Is it running? Start one with `python rewards.py serve NAME --port PORT`.")
 
     def _request(self, body: bytes) -> tuple[int, bytes]:
         """One POST under a deadline: a watchdog shuts the socket down when `timeout` seconds have passed."""
@@ -162,7 +162,7 @@ class HttpReward:
             ok = False
         if not ok:
             raise RewardServerError(f"malformed response from reward server {self.url}: expected "
-                             f'{{"scores": [{n} numbers finite in float32]}}, got {payload[:200]!r}')
+                                    f'{{"scores": [{n} numbers finite in float32]}}, got {payload[:200]!r}')
         self.extras = {k: v for k, v in answer.items() if k != "scores" and isinstance(v, list) and len(v) == n}
         return torch.tensor(values, dtype=torch.float32)
 
@@ -180,6 +180,8 @@ def parse_request(body: bytes) -> tuple[torch.Tensor, list[str], list[dict] | No
     images, prompts, metadata = request["images"], request["prompts"], request.get("metadata")
     if not isinstance(images, list) or not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise TypeError("images must be a list of base64 PNGs and prompts a list of strings")
+    if metadata is not None and not (isinstance(metadata, list) and all(isinstance(m, dict) for m in metadata)):
+        raise TypeError("metadata must be a list of JSON objects, one per prompt, or null")
     if len(images) != len(prompts) or (metadata is not None and len(metadata) != len(prompts)):
         raise ValueError(f"{len(images)} images, {len(prompts)} prompts and "
                          f"{'no' if metadata is None else len(metadata)} metadata: one of each per image")
@@ -324,8 +326,8 @@ class ClipColors:
         from transformers import AutoProcessor, CLIPModel
 
         self.scorer = rewards.ClipScorer(CLIPModel.from_pretrained(model), AutoProcessor.from_pretrained(model),
-                                 use_logit_scale=False, device=device, dtype=torch.float32,
-                                 preprocess=lambda images, proc: rewards.resize_shorter_and_center_crop(
+                                         use_logit_scale=False, device=device, dtype=torch.float32,
+                                         preprocess=lambda images, proc: rewards.resize_shorter_and_center_crop(
                                      images, proc.crop_size["height"], proc.image_mean, proc.image_std))
         self.classifiers: dict[str, torch.Tensor] = {}
 

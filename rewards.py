@@ -877,22 +877,42 @@ def geneval_partial(objects: dict[str, list[Detection]], metadata: dict, *, posi
 
 
 def check_geneval_metadata(prompt: str, metadata: dict | None) -> None:
-    """The fields GenEval's rules read, with the classes, colours and positions they know."""
-    metadata = metadata or {}
-    if metadata.get("tag") not in GENEVAL_TASKS or not isinstance(metadata.get("include"), list):
-        raise ValueError(f"the geneval reward needs each prompt's GenEval metadata ('tag' in {', '.join(GENEVAL_TASKS)} "
-                         f"and an 'include' list): use --prompts geneval or a .jsonl with those fields; prompt "
-                         f"{prompt[:200]!r} has {sorted(metadata) or 'none'}")
-    for clause in metadata["include"] + metadata.get("exclude", []):
-        ok = isinstance(clause, dict) and clause.get("class") in GENEVAL_CLASSES and \
-            isinstance(clause.get("count"), int) and clause["count"] >= 1 and clause.get("color", "red") in GENEVAL_COLORS
-        position = clause.get("position") if isinstance(clause, dict) else None
-        if position is not None:
-            ok &= (isinstance(position, list) and len(position) == 2 and position[0] in GENEVAL_POSITIONS
-                   and isinstance(position[1], int) and 0 <= position[1] < metadata["include"].index(clause))
-        if not ok:
-            raise ValueError(f"prompt {prompt[:200]!r}: GenEval clause {clause!r} is not a known class with a count >= 1 "
-                             "(and a known colour / a position naming an earlier clause)")
+    """The shapes GenEval's metadata lines take, and nothing else (a ValueError naming the field): a JSON object with
+    a 'tag' of GENEVAL_TASKS and a non-empty 'include' list, an optional 'exclude' list; include clauses
+    {class, count[, color][, position]}, exclude clauses {class, count}; a known class, an integer count >= 1, a known
+    colour, a position [relation, index of an earlier include clause]. The rules index and iterate these fields
+    blindly: a 5 where the object goes raised AttributeError (a 500 from the server), a dict where a list goes was
+    iterated by its keys."""
+    def refuse(field: str, problem: str) -> None:
+        raise ValueError(f"prompt {prompt[:200]!r}: GenEval metadata {field} {problem}")
+
+    if not isinstance(metadata, dict) or metadata.get("tag") not in GENEVAL_TASKS or "include" not in metadata:
+        found = sorted(metadata) if isinstance(metadata, dict) else repr(metadata)[:100]
+        raise ValueError(f"the geneval reward needs each prompt's GenEval metadata, a JSON object with 'tag' in "
+                         f"{', '.join(GENEVAL_TASKS)} and an 'include' list: use --prompts geneval or a .jsonl with "
+                         f"those fields; prompt {prompt[:200]!r} has {found or 'none'}")
+    for part, keys in (("include", {"class", "count", "color", "position"}), ("exclude", {"class", "count"})):
+        clauses = metadata.get(part, [])
+        if not isinstance(clauses, list) or (part == "include" and not clauses):
+            refuse(f"'{part}'", f"must be a {'non-empty ' if part == 'include' else ''}list of clauses, got {clauses!r:.100}")
+        for index, clause in enumerate(clauses):
+            where = f"'{part}'[{index}]"
+            if not isinstance(clause, dict) or not {"class", "count"} <= set(clause) <= keys:
+                refuse(where, f"must be an object with 'class' and 'count'{' (and color, position)' if part == 'include' else ''} "
+                              f"and no other field, got {clause!r:.200}")
+            count = clause["count"]
+            if clause["class"] not in GENEVAL_CLASSES:
+                refuse(f"{where}['class']", f"{clause['class']!r:.100} is not one of GenEval's 80 classes")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                refuse(f"{where}['count']", f"must be an integer >= 1, got {count!r:.100}")
+            if "color" in clause and clause["color"] not in GENEVAL_COLORS:
+                refuse(f"{where}['color']", f"{clause['color']!r:.100} is not one of {', '.join(GENEVAL_COLORS)}")
+            position = clause.get("position")
+            if "position" in clause and not (isinstance(position, list) and len(position) == 2
+                                             and position[0] in GENEVAL_POSITIONS and isinstance(position[1], int)
+                                             and not isinstance(position[1], bool) and 0 <= position[1] < index):
+                refuse(f"{where}['position']", f"must be [relation, index of an earlier include clause] with a relation "
+                                               f"of {', '.join(GENEVAL_POSITIONS)}, got {position!r:.100}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def rollout(cfg, model: adapters.FlowAdapter, velocity, prompts: list[Prompt], c
     failure = parallel.first_failure(next((f for _, f in scored if f), ""))
     if failure:
         raise RunStopped(f"{failure}. Nothing of this iteration was saved; the last checkpoint is kept: --resume "
-                              "once the reward answers")
+                         "once the reward answers")
     return torch.cat(x0), {name: torch.cat([s[name] for s, _ in scored]) for name in reward_fns}
 
 

@@ -1,38 +1,42 @@
-"""train.py: V-GRPO for diffusers flow-matching models, one process or torchrun + FSDP2.
+"""train.py: V-GRPO for diffusers flow-matching models, one process or torchrun + FSDP2: the config, Algorithm 1, main.
 
-Algorithm 1 of Tang et al., "Online Reinforcement Learning for Denoising Generative Models Is
-Easier than You Think" (arXiv 2604.23380); every equation lives in vgrpo.py, this file is the driver.
-Models: SD3 / SD3.5, FLUX.1, Qwen-Image, FLUX.2 [klein] and Wan (text to video) (one adapter each in models.py).
+Algorithm 1 of Tang et al., "Online Reinforcement Learning for Denoising Generative Models Is Easier than You Think"
+(arXiv 2604.23380); every equation lives in vgrpo.py, this file is the driver. Models: SD3 / SD3.5, FLUX.1,
+Qwen-Image, FLUX.2 [klein] and Wan (text to video), one adapter each in adapters.py.
 
     python train.py                                   # tiny SD3 built from configs: CPU, offline, minutes
     python train.py --model DIR_OR_HUB_ID --prompts prompts.txt --rewards pickscore:1,hpsv21:1
-    torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic      # paper: SD3.5-M stage 1
+    torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic --run_dir runs/sd35m  # paper: SD3.5-M stage 1
     torchrun --nproc_per_node=8 train.py --preset flux --prompts hpdv2          # paper: FLUX.1-dev
     torchrun --nproc_per_node=8 train.py --preset wan21 --prompts ocr           # video: Wan2.1-1.3B, Flow-GRPO's
-    torchrun --nproc_per_node=8 train.py --resume runs/NAME                    # continue from the last checkpoint
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --max_restarts=3 \
+        train.py --preset sd35m --prompts pickapic --run_dir runs/sd35m       # two nodes, workers restarted on failure
     python train.py --preset flux --plan --plan_world_size 8 --plan_gpu_gb 80  # memory per GPU, before loading anything
     python evaluate.py --runs runs/NAME --prompts drawbench                     # base vs trained on a benchmark
     python train.py --help                            # every option, with its default
 
-Where things live: vgrpo.py the method; models.py the model families (which one a --model is, the checks a loaded
-model gets) and the memory plan; rewards.py the rewards; prompts.py the prompt files and named sets; runs.py the run
-directory (config.json, checkpoints, export, metrics, samples, the closing summary), the errors a user can fix and the
-hacking rule; evaluate.py the evaluation command. This file: the config, Algorithm 1 and main.
+The same command run again continues its --run_dir from the last checkpoint (a requeued job, a restart); a finished
+run says so; --resume continues with changed flags, --fresh starts over (runs.py says what each keeps).
 
 Beyond the paper, against reward hacking (off by default): --ref_kl_coef (the x-space KL to the frozen base model),
---ema_decay, --monitor_rewards with the hacking rule (docs/training.md).
+--ema_decay, --monitor_rewards with the hacking rule (guards.py, docs/training.md).
 
 Data parallelism: the num_prompts groups of an iteration are split over the ranks as WHOLE groups, so
 a group's G samples and its shared (t, eps) pairs live on one rank. Rewards are all-gathered before
 the advantages, which are computed for the global batch on every rank (global std, logging).
 
-Choices beyond vgrpo.py's: rollouts integrate the ODE with vgrpo.sample_ode on the sigma grid the
-pipeline's own __call__ uses (its scheduler, shift and resolution-dependent mu), so solver "euler" is
-exactly `pipe(prompt, num_inference_steps=N)` from the same noise where the pipeline ships an Euler scheduler;
-solver "scheduler" steps a copy of whatever scheduler it ships (Wan's UniPC) and equals `pipe()` there. Trainable weights are float32 master
-weights whatever --dtype the compute runs in. The transformer stays in eval mode (no dropout), so the
+Choices beyond vgrpo.py's: rollouts integrate the ODE with vgrpo.sample_ode on the sigma grid the pipeline's own
+__call__ uses (its scheduler, shift and resolution-dependent mu), so solver "euler" is exactly
+`pipe(prompt, num_inference_steps=N)` from the same noise where the pipeline ships an Euler scheduler; solver
+"scheduler" steps a copy of whatever scheduler it ships (Wan's UniPC) and equals `pipe()` there. Trainable weights are
+float32 master weights whatever --dtype the compute runs in. The transformer stays in eval mode (no dropout), so the
 old-policy pass and the first gradient pass agree exactly.
 """
+
+import failures  # isort: split  (first: it imports no torch, and catches a Ctrl-C during the imports below)
+
+if __name__ == "__main__":
+    failures.quiet_ctrl_c_while_importing()
 
 import argparse
 import contextlib
@@ -46,19 +50,16 @@ import signal
 import time
 import types
 import typing
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import adapters
-import builders
 import checkpoint
-import failures
 import guards
 import memory
 import models
@@ -69,11 +70,7 @@ import rollouts
 import runs
 import vgrpo
 from failures import ConfigError
-from parallel import all_gather, barrier, reduce_metrics
 from prompts import Prompt
-
-# torch.distributed.checkpoint warns on every save/load without a process group; one process is intended here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def arg(default, help: str):
@@ -110,7 +107,7 @@ class Config:
     # --- rollouts
     sampling_steps: int = arg(8, "ODE steps per rollout")
     solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step) | scheduler (the "
-                                 "pipeline's own scheduler, e.g. Wan's UniPC, stepped as pipe() does)")
+                      "pipeline's own scheduler, e.g. Wan's UniPC, stepped as pipe() does)")
     cfg_scale: float = arg(1.0, "classifier-free guidance for rollouts only, combined as the model's pipeline does (SD3, "
                                 "Qwen-Image: true CFG with norm rescale, FLUX.2 [klein] base); 1 = off, as in the paper")
     flux_guidance: float = arg(3.5, "FLUX.1-dev distilled-guidance embedding value (unused by models without one, e.g. schnell)")
@@ -165,8 +162,12 @@ class Config:
     hsdp: int = arg(0, "HSDP replica groups: shard within each, replicate across (0 = one per node on several nodes, "
                        "1 = plain FSDP over all ranks)")
     seed: int = arg(0, "base seed; see the seeding rules in train()")
-    run_dir: str = arg("", "output directory; default runs/<preset>-<time>")
-    resume: str = arg("", "run directory to continue from its last checkpoint (its config.json is the base)")
+    run_dir: str = arg("", "output directory; default runs/<preset>-<time>. One that holds a run is continued: from its "
+                           "last checkpoint when the flags are its own (the same command again), else refused")
+    resume: str = arg("", "run directory to continue from its last checkpoint with the flags given here changed (its "
+                          "config.json is the base)")
+    fresh: bool = arg(False, "start the run in --run_dir over: its config, metrics, samples, checkpoints and export are "
+                             "removed first (nothing else there); ignored when torchrun or Slurm restarts the same job")
     log_every: int = arg(10, "iterations between metric lines on stdout (metrics.jsonl gets every iteration)")
     eval_every: int = arg(10, "iterations between evaluations on the fixed prompts (0 = never)")
     max_skipped_steps: int = arg(3, "stop as diverged after this many consecutive skipped (non-finite) gradient steps")
@@ -246,7 +247,9 @@ PRESETS = {
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
-    """Defaults < preset < the resumed run's config.json < flags given on the command line."""
+    """Defaults < preset < the continued run's config.json < flags given on the command line. A --run_dir that holds
+    a run continues it (--fresh aside): with the flags given its own but for MAY_CHANGE_ON_CONTINUE, or any with
+    --resume but for FIXED_ON_RESUME; each refusal is one line naming the choices."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(Config)
     for f in fields(Config):
@@ -265,22 +268,47 @@ def parse_config(argv: list[str] | None = None) -> Config:
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
     values = dict(PRESETS[preset])
-    if given.get("resume"):
-        saved = Path(given["resume"]) / "config.json"
-        if not saved.is_file():
-            raise ConfigError(f"--resume {given['resume']}: no config.json there; pass the directory of an earlier run")
-        values.update(runs.read_run_config(saved, Config))
-        values["run_dir"] = given["resume"]
-        for name in FIXED_ON_RESUME:
-            if name in given and given[name] != values[name]:
-                raise ConfigError(f"--{name} {given[name]} differs from the resumed run's {values[name]}: its checkpoint "
-                                  f"holds that model, adapter and EMA; drop --{name} or start a new run")
+    run_dir = given.get("resume") or given.get("run_dir")
+    if given.get("resume") and not runs.holds_run(Path(run_dir)):
+        raise ConfigError(f"--resume {run_dir}: no config.json there; pass the directory of an earlier run")
+    if run_dir and runs.holds_run(Path(run_dir)) and not (given.get("fresh") and not parallel.restarted()):  # fresh_start
+        saved = runs.read_run_config(Path(run_dir) / "config.json", Config)
+        check_continuation(run_dir, saved, given)
+        values.update(saved, run_dir=run_dir)
     values.update(given)
     return Config(**values)
 
 
 # What a checkpoint's tensors are shaped by: a resumed run keeps them.
 FIXED_ON_RESUME = ("model", "lora_rank", "lora_alpha", "lora_targets", "ema_decay")
+# What the same command may change and still continue its run (no --resume): how long it runs, how often it logs,
+# evaluates and saves, how it uses the hardware. Any other change would make it another run.
+MAY_CHANGE_ON_CONTINUE = ("iterations", "log_every", "eval_every", "save_every", "tracker", "micro_batch_size",
+                          "rollout_batch_size", "grad_checkpointing", "compile", "offload_text_encoders",
+                          "rollout_gather_once", "hsdp", "run_dir", "resume", "fresh", "plan", "plan_world_size",
+                          "plan_gpu_gb")
+NOT_SAVED = ("resume", "fresh")  # how this launch began, not settings of the run
+
+
+def check_continuation(run_dir: str, saved: dict, given: dict) -> None:
+    """A run directory is continued only by its own command (or --resume, which keeps its model and adapter)."""
+    resumed = bool(given.get("resume"))
+    allowed = set(MAY_CHANGE_ON_CONTINUE) | (set(fields_of(Config)) - set(FIXED_ON_RESUME) if resumed else set())
+    changed = [name for name, value in given.items() if name not in allowed and value != saved.get(name, value)]
+    if not changed:
+        return
+    name = changed[0]
+    what = f"--{name} {given[name]} differs from the run's {saved[name]}"
+    if resumed:
+        raise ConfigError(f"{what}: its checkpoint holds that model, adapter and EMA; drop --{name}, or start a new "
+                          "run (another --run_dir, or --fresh)")
+    differ = ", ".join(f"--{n} {given[n]} (the run's: {saved[n]})" for n in changed)
+    raise ConfigError(f"--run_dir {run_dir} holds a run with other settings: {differ}. Continue it with these "
+                      f"changes (--resume {run_dir}), start it over (--fresh), or choose another --run_dir")
+
+
+def fields_of(config_class) -> list[str]:
+    return [f.name for f in fields(config_class)]
 
 
 def _at_least(low: float):
@@ -382,6 +410,9 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--run_dir {cfg.run_dir} is a file; pass a directory (it is created if missing)")
     if cfg.resume and not (Path(cfg.resume) / "checkpoints" / "latest").is_file():
         raise ConfigError(f"--resume {cfg.resume}: no checkpoint there yet (checkpoints/latest is missing)")
+    if not cfg.run_dir and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ConfigError("torchrun --max_restarts restarts the workers with the same flags: pass --run_dir, so that "
+                          "they continue this run instead of starting another in a new runs/<preset>-<time>")
     family = models.model_family(cfg.model)
     if family == "flux" and cfg.cfg_scale != 1.0:
         raise ConfigError("--cfg_scale does not apply to FLUX.1 (guidance-distilled); FLUX.1-dev uses --flux_guidance")
@@ -419,36 +450,55 @@ def check_video_settings(cfg: Config, adapter: type, reward_names) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Models: loading, trainable parameters, FSDP2 (family details live in models.py)
+# Algorithm 1: setup once, then per iteration rollouts -> pairs -> advantages -> update -> log -> checkpoint
 
 
-def load_trained(run_dir: Path, device: torch.device, dtype: torch.dtype, settings: dict | None = None
-                 ) -> adapters.FlowAdapter:
-    """A run's model exactly as training left it, in one process: its config (with `settings` changed, e.g. the
-    sampler evaluate.py uses), its base model, its last checkpoint (whatever world size wrote it)."""
-    cfg = dataclasses.replace(parse_config(["--resume", str(run_dir)]), **(settings or {}))
-    model = models.load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
-    models.make_trainable(model.transformer, cfg)
-    optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad])
-    checkpoint.load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
-    return model
+@dataclass
+class Run:
+    """What setup() builds once and every phase of an iteration reads; one per process."""
+
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    dir: Path
+    model: adapters.FlowAdapter
+    optimizer: torch.optim.Optimizer
+    trainable: list[torch.Tensor]  # the trained weights (LoRA or all): float32 master weights, FSDP2 shards
+    ema: dict[str, torch.Tensor]  # their EMA (empty without --ema_decay), sharded like them
+    weights: dict[str, float]  # trained reward -> weight
+    reward_fns: dict  # trained rewards, then monitors: name -> reward
+    monitor_fns: dict
+    rollout_velocity: Callable  # the model's velocity, under CFG where the run samples with it
+    surrogate: Callable  # s(x0, cond, t, eps) of the trained model: the same function for theta_old and theta
+    reference: Callable | None  # the same of the frozen base model (reference KL), None without one
+    groups: range  # this rank's prompt groups, in global numbering
+    start: int  # the first iteration to run: 0, or the one after the checkpoint a continued run resumes
+    tracker: runs.Tracker
+    bar: tqdm
+    stop: dict = field(default_factory=lambda: {"requested": False})  # set by SIGTERM / SIGINT
 
 
-# ----------------------------------------------------------------------------------------------
-# Training: Algorithm 1
+@dataclass
+class Batch:
+    """One iteration's rollouts on this rank, group-major: sample i belongs to group groups[i // G]."""
+
+    chosen: list[int]  # the iteration's prompt indices, all num_prompts groups
+    cond: dict  # text conditioning, one row per sample (P_local * G)
+    x0: torch.Tensor  # final latents (P_local * G, ...)
+    scores: dict  # reward name -> (P_local * G,)
 
 
-def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Prompt]) -> None:
-    # ---------------- setup
+def setup(cfg: Config, family: str) -> Run:
     rank, world, device = parallel.setup_distributed()
     adapters.avoid_cudnn_attention()
-    master = rank == 0
-    dtype = models.compute_dtype(cfg.dtype, device)
-    run_dir = Path(cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if master:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps({**asdict(cfg), "run_dir": str(run_dir)}, indent=2))
-    print0 = print if master else (lambda *a, **k: None)
+    # One run directory for every rank: the default name's clock is read once, on rank 0.
+    run_dir = Path(parallel.broadcast_from_rank0(cfg.run_dir or f"runs/{cfg.preset}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))
+    if rank == 0:
+        saved = {k: v for k, v in asdict(cfg).items() if k not in NOT_SAVED}
+        runs.start_run_dir(run_dir, saved, fresh=fresh_start(cfg))
+    parallel.barrier()
 
     # Seeding rules. Identical on every rank: every weight initialisation (tiny models, LoRA adapters: FSDP2
     # shards each rank's own copy and never broadcasts), prompt order, and the (t, eps) pairs of group g
@@ -457,12 +507,13 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     # data. After setup the global torch RNG, which the algorithm does not use, is seeded seed + rank.
     torch.manual_seed(cfg.seed)
 
+    dtype = models.compute_dtype(cfg.dtype, device)
     gpu_gb = torch.cuda.get_device_properties(device).total_memory / memory.GiB if device.type == "cuda" else None
     memory.check_memory_plan(cfg, family, world, gpu_gb, rank, partial(models.make_trainable, cfg=cfg))
     weights = rewards.parse_reward_spec(cfg.rewards)
     reward_fns = rollouts.load_rewards(cfg, weights, family, device)
-    monitor_fns = rollouts.load_rewards(cfg, rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {}, family,
-                               device)
+    monitored = rewards.parse_reward_spec(cfg.monitor_rewards) if cfg.monitor_rewards else {}
+    monitor_fns = rollouts.load_rewards(cfg, monitored, family, device)
     model = models.load_pipeline(cfg, family, device, dtype, sharded=world > 1)
     models.check_sampling_grid(model, cfg.solver)
     transformer = model.transformer
@@ -482,164 +533,221 @@ def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Pr
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     ema = {n: p.detach().clone() for n, p in named} if cfg.ema_decay else {}  # float32, sharded like the weights
     torch.manual_seed(cfg.seed + rank)
-    start = checkpoint.load_checkpoint(run_dir, transformer, optimizer, rank, ema=ema) if cfg.resume else 0
+    # A run directory with a checkpoint continues from it (the same command again, --resume, a restart).
+    continued = runs.checkpoint_iteration(run_dir) is not None
+    start = checkpoint.load_checkpoint(run_dir, transformer, optimizer, rank, ema=ema) if continued else 0
+
+    print0 = print if rank == 0 else (lambda *a, **k: None)
     print0(f"{family} model, {sum(p.numel() for p in trainable) / 1e6:.2f}M trainable parameters, world size {world}"
            + (f" (HSDP: {replicas} replicas x {world // replicas} shards)" if replicas > 1 else "") + ", "
-           f"{dtype}, run dir {run_dir}" + (f", resuming at iteration {start}" if start else ""))
-
-    P, G, K = cfg.num_prompts, cfg.group_size, cfg.num_mc
-    P_local = P // world
-    groups = range(rank * P_local, (rank + 1) * P_local)  # this rank's groups, in global numbering
-    rollout_velocity = rollouts.guided_velocity(cfg, model, device)
+           f"{dtype}, run dir {run_dir}")
+    if continued or runs.read_metrics(run_dir):
+        print0(runs.continuation(run_dir, start, cfg.iterations))
     # One surrogate function for theta_old and theta: same parameterisation, same weighting. The base model's for
     # the reference KL is the same function of the frozen base's velocity.
     surrogate_of = partial(partial, vgrpo.elbo_surrogate, param=cfg.param, self_normalize=cfg.self_normalize,
-                           chunk_size=cfg.micro_batch_size * K)
-    surrogate = surrogate_of(model.velocity)
+                           chunk_size=cfg.micro_batch_size * cfg.num_mc)
     base_velocity = guards.frozen_base_velocity(model, frozen_base, lora=cfg.lora_rank > 0)
-    reference = surrogate_of(base_velocity) if base_velocity else None
-    nfe_rollout = cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1)
-    nfe_old = K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps  # only samples trained after an optimizer step
-    # the base model's no-grad pass: every sample when the reference KL is trained on, else one micro-batch (to log it)
-    nfe_ref = 0 if reference is None else K if cfg.ref_kl_coef > 0 else K * cfg.micro_batch_size / (P_local * G)
-    # The hacking rule's history on resume: the evaluations and the first latent RMS of the iterations already done.
-    earlier = [m for m in runs.read_metrics(run_dir) if m["iteration"] < start] if start else []
-    evals = [m for m in earlier if "eval/reward_mean" in m]
-    first_x0_rms = next((m["x0_rms"] for m in earlier if "x0_rms" in m), None)
-    tracker = runs.Tracker(run_dir, cfg, master, start)
-    stop = {"requested": False}
+    local = cfg.num_prompts // world
+    run = Run(cfg=cfg, rank=rank, world=world, device=device, dir=run_dir, model=model, optimizer=optimizer,
+              trainable=trainable, ema=ema, weights=weights, reward_fns=reward_fns, monitor_fns=monitor_fns,
+              rollout_velocity=rollouts.guided_velocity(cfg, model, device), surrogate=surrogate_of(model.velocity),
+              reference=surrogate_of(base_velocity) if base_velocity else None,
+              groups=range(rank * local, (rank + 1) * local), start=start,
+              tracker=runs.Tracker(run_dir, cfg, rank == 0, start),
+              # Progress on a terminal, from rank 0 (disable=None: off when stderr is not a terminal, as in a batch
+              # job's log).
+              bar=tqdm(range(start, cfg.iterations), disable=None if rank == 0 else True, desc="V-GRPO",
+                       dynamic_ncols=True))
     failures.stop_if_ctrl_c()  # one pressed during setup that a library swallowed
     for sig in (signal.SIGTERM, signal.SIGINT):  # Ctrl-C stops like a scheduler's SIGTERM: finish, save, exit 0
-        signal.signal(sig, lambda *_: stop.update(requested=True))
-    history, skipped_run = [], 0
+        signal.signal(sig, partial(stop_requested, run))
+    return run
 
-    # Progress on a terminal, from rank 0 (disable=None: off when stderr is not a terminal, as in a batch job's log).
-    bar = tqdm(range(start, cfg.iterations), disable=None if master else True, desc="V-GRPO", dynamic_ncols=True)
-    for it in bar:
-        timer = {"start": time.perf_counter()}
-        # ---------------- 1. theta_old <- theta: the weights as they are now; nothing to copy.
-        # ---------------- 2. rollouts: G samples of each of this rank's prompts, distinct noise each
-        chosen = rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it)
-        batch = [prompts[chosen[g]] for g in groups for _ in range(G)]  # (P_local * G,) group-major
-        # The frozen text encoders run once per prompt; rollouts and every training pass reuse the result.
-        texts = [prompts[chosen[g]].text for g in groups]
-        cond = {k: v.repeat_interleave(G, dim=0) for k, v in rollouts.encode(model, texts, device, cfg.offload_text_encoders).items()}
-        noise = rollouts.initial_noise(cfg, model, "rollout", it, range(groups[0] * G, (groups[-1] + 1) * G), device)
-        x0, scores = rollouts.rollout(cfg, model, rollout_velocity, batch, cond, noise, reward_fns)
-        timer["rollout"] = time.perf_counter()
-        # ---------------- 3. group-shared, stratified (t, eps) pairs: drawn once, reused below
-        pairs = [vgrpo.draw_mc_pairs(1, G, K, x0.shape[1:], generator=rollouts.generator(cfg.seed, "pairs", it, g), t_min=cfg.t_min,
-                                     t_max=cfg.t_max, stratified=cfg.stratified, group_shared=cfg.group_shared)
-                 for g in groups]
-        t, eps = torch.cat([p[0] for p in pairs]).to(device), torch.cat([p[1] for p in pairs]).to(device)
-        # ---------------- 4. advantages over the global batch: rewards gathered to (P, G) on every rank
-        global_scores = {name: all_gather(s.view(P_local, G)) for name, s in scores.items()}
-        adv = vgrpo.multi_reward_advantages(global_scores, weights, aggregation=cfg.reward_aggregation,
-                                            global_std=cfg.global_std)
-        adv = vgrpo.soft_clip(adv, eta=cfg.soft_clip_eta)  # (P, G)
-        local_adv = adv[groups[0]:groups[-1] + 1].flatten()
-        timer["reward"] = time.perf_counter()
-        # ---------------- 5 + 6. old-policy surrogate and gradient steps, all on the same stored pairs. s_old is
-        # computed inside vgrpo_update only where it differs from the first gradient pass (samples trained after an
-        # optimizer step); with one gradient step per iteration there is no separate old-policy pass.
-        ro = vgrpo.Rollouts(x0, cond, local_adv, t, eps)
-        update = vgrpo.vgrpo_update(surrogate, optimizer, ro, num_grad_steps=cfg.num_grad_steps,
-                                    micro_batch_size=cfg.micro_batch_size, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
-                                    max_grad_norm=cfg.max_grad_norm, reference=reference, ref_kl_coef=cfg.ref_kl_coef)
-        if ema:
-            guards.ema_update(list(ema.values()), trainable, cfg.ema_decay)
-        timer["update"] = time.perf_counter()
 
-        # ---------------- 7. log
-        weighted = sum(w * global_scores[name] for name, w in weights.items())
-        cv = vgrpo.surrogate_cv(all_gather(ro.s_old.mean(1).view(P_local, G)))
-        metrics = {
-            "reward_mean": weighted.mean().item(), "reward_std": weighted.std().item(),
-            **{f"reward/{n}_mean": s.mean().item() for n, s in global_scores.items()},
-            **{f"reward/{n}_std": s.std().item() for n, s in global_scores.items()},
-            "frac_zero_std_groups": (adv == 0).all(dim=1).float().mean().item(),
-            # x0_rms: the rollouts' mean latent RMS, for the hacking rule's drift bound
-            **reduce_metrics({**update, "x0_rms": x0.float().pow(2).flatten(1).mean(1).sqrt().mean().item()}, device),
-            "surrogate_cv": cv["cv"], "surrogate_cv_within": cv["cv_within"],
-            "nfe_rollout": nfe_rollout, "nfe_old": nfe_old, "nfe_ref": nfe_ref, "nfe_grad": K,  # per sample; nfe_grad:
-            # forward+backward
-            "time_rollout": timer["rollout"] - timer["start"], "time_reward": timer["reward"] - timer["rollout"],
-            "time_update": timer["update"] - timer["reward"],
-            "images_per_s": P * G / (timer["update"] - timer["start"]),
-            "peak_memory_gb": reduce_metrics({"m_max": runs.peak_memory_gb(device)}, device)["m_max"],
-            "prompt_indices": chosen,
-        }
-        if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
-            with guards.ema_weights(trainable, list(ema.values())) if cfg.eval_with_ema else contextlib.nullcontext():
-                metrics.update(rollouts.evaluate(cfg, model, rollout_velocity, eval_prompts, {**reward_fns, **monitor_fns},
-                                        weights, rank, world, device,
-                                        run_dir / "samples" / f"iter-{it:06d}.png" if master else None))
-            evals.append({"iteration": it, **metrics})
-        tracker.log(it, metrics)
-        if master and "eval/reward_mean" in metrics:
-            runs.draw_curves(run_dir)
-        if master and (it % cfg.log_every == 0 or it == cfg.iterations - 1):
-            bar.write(f"iter {it}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in STDOUT_METRICS))
-        history.append((it, metrics["reward_mean"], metrics.get("eval/reward_mean")))
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{metrics['ratio_mean']:.3f}",
-                        skipped=int(metrics["skipped_steps"]))
+def stop_requested(run: Run, *_) -> None:
+    """SIGTERM / SIGINT: finish the iteration, save, exit 0. The signal torchrun's agent sends when another rank
+    died is different: nothing can be saved without that rank, so this one stops at once (parallel.PeerLost)."""
+    if parallel.lost_ranks():
+        raise parallel.PeerLost(parallel.lost_ranks(), run.dir)
+    run.stop["requested"] = True
 
-        # ---------------- 8. checkpoint: periodically, at the end, and when SIGTERM / SIGINT asked to stop. A
-        # diverged run writes nothing more: the last good checkpoint stays the one --resume uses.
-        skipped_run = guards.consecutive_skips(skipped_run, int(update["skipped_steps"]), cfg.num_grad_steps)
-        reason = guards.divergence(x0, scores, skipped_run, transformer, cfg, device)
-        if reason:
-            guards.stop_run(run_dir, f"training diverged at iteration {it}: {reason}", "Lower --lr or --max_grad_norm, or "
-                     "raise --num_mc, and start again")
-        first_x0_rms = first_x0_rms or metrics["x0_rms"]
-        hacked = guards.hacking(evals, list(monitor_fns), window=cfg.hacking_window, z=cfg.hacking_z,
-                              samples=len(eval_prompts)) if "eval/reward_mean" in metrics else ""
-        hacked = hacked or guards.x0_drift(metrics["x0_rms"], first_x0_rms, cfg.max_x0_drift)
-        if hacked and cfg.stop_on_hacking:
-            guards.stop_run(run_dir, f"possible reward hacking at iteration {it}: {hacked}", "Inspect the sample grids; "
-                     "raise --ref_kl_coef or lower --lr, or --resume without --stop_on_hacking to go on")
-        elif hacked:
-            bar.write(f"warning: possible reward hacking at iteration {it}: {hacked} (--stop_on_hacking stops here)")
-        stopping = reduce_metrics({"stop_max": float(stop["requested"])}, device)["stop_max"] > 0  # all ranks agree
-        if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
-            checkpoint.save_checkpoint(run_dir, it, transformer, optimizer, rank, ema=ema)
-        if stopping:
-            print0(f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {it} saved; continue with --resume {run_dir}")
-            break
-    else:
-        with guards.ema_weights(trainable, list(ema.values())) if cfg.export_ema else contextlib.nullcontext():
-            checkpoint.export_final(run_dir / "final", model, lora=cfg.lora_rank > 0, rank=rank,
-                              info={"weights": "ema" if cfg.export_ema else "trained", "ema_decay": cfg.ema_decay,
-                                    "iteration": cfg.iterations - 1})
-        print0(runs.summary_table(history))
-        print0(runs.closing_summary(run_dir, cfg, model, curves=master and runs.draw_curves(run_dir)))
-    if dist.is_initialized():
-        barrier()  # rank 0 may still be writing the export: nobody tears gloo/nccl down under it
-        dist.destroy_process_group()
+
+def train(cfg: Config, family: str, prompts: list[Prompt], eval_prompts: list[Prompt]) -> None:
+    with parallel.stop_if_a_peer_dies(Path(cfg.run_dir)):
+        run = setup(cfg, family)
+        watch = guards.Watch(run.cfg, run.dir, run.start, list(run.monitor_fns), samples=len(eval_prompts))
+        for it in run.bar:
+            clock = [time.perf_counter()]
+            # 1. theta_old <- theta: the weights as they are now; nothing to copy.
+            batch = sample(run, prompts, it)  # 2. G rollouts of each of this rank's prompts, decoded and scored
+            t, eps = draw_pairs(run, it, batch.x0)  # 3. group-shared, stratified (t, eps): drawn once, reused below
+            clock.append(time.perf_counter())
+            scores, adv = advantages(run, batch.scores)  # 4. over the global batch: rewards gathered to (P, G)
+            clock.append(time.perf_counter())
+            rollouts_, update = optimize(run, batch, adv, t, eps)  # 5 + 6. theta_old's surrogate, gradient steps
+            clock.append(time.perf_counter())
+            metrics = log(run, it, batch, scores, adv, rollouts_, update, clock, eval_prompts)  # 7. log, evaluate
+            warning = watch.check(it, batch.x0, batch.scores, update, metrics, run.model.transformer, run.device)
+            if warning:
+                run.bar.write(warning)
+            if save(run, it):  # 8. checkpoint: periodically, at the end, and when asked to stop
+                break
+        else:
+            finish(run)
+    parallel.shutdown()
+
+
+def sample(run: Run, prompts: list[Prompt], it: int) -> Batch:
+    cfg, G = run.cfg, run.cfg.group_size
+    chosen = rollouts.prompts_for_iteration(len(prompts), cfg.num_prompts, cfg.seed, it)
+    # The frozen text encoders run once per prompt; rollouts and every training pass reuse the result.
+    texts = [prompts[chosen[g]].text for g in run.groups]
+    encoded = rollouts.encode(run.model, texts, run.device, cfg.offload_text_encoders)
+    cond = {k: v.repeat_interleave(G, dim=0) for k, v in encoded.items()}
+    noise = rollouts.initial_noise(cfg, run.model, "rollout", it, range(run.groups[0] * G, (run.groups[-1] + 1) * G),
+                                   run.device)  # one generator per global sample index: distinct noise each
+    batch = [prompts[chosen[g]] for g in run.groups for _ in range(G)]  # (P_local * G,) group-major
+    x0, scores = rollouts.rollout(cfg, run.model, run.rollout_velocity, batch, cond, noise, run.reward_fns)
+    return Batch(chosen, cond, x0, scores)
+
+
+def draw_pairs(run: Run, it: int, x0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t, eps) of this rank's samples, (P_local * G, K) and (P_local * G, K, ...): group g's from its own generator
+    (seed, iteration, g), so they do not depend on which rank holds the group."""
+    cfg = run.cfg
+    pairs = [vgrpo.draw_mc_pairs(1, cfg.group_size, cfg.num_mc, x0.shape[1:], t_min=cfg.t_min, t_max=cfg.t_max,
+                                 stratified=cfg.stratified, group_shared=cfg.group_shared,
+                                 generator=rollouts.generator(cfg.seed, "pairs", it, g)) for g in run.groups]
+    return torch.cat([p[0] for p in pairs]).to(run.device), torch.cat([p[1] for p in pairs]).to(run.device)
+
+
+def advantages(run: Run, scores: dict) -> tuple[dict, torch.Tensor]:
+    """Every reward gathered to (P, G) on every rank, and the (soft-clipped) advantages of the global batch (P, G)."""
+    P_local, G = len(run.groups), run.cfg.group_size
+    gathered = {name: parallel.all_gather(s.view(P_local, G)) for name, s in scores.items()}
+    adv = vgrpo.multi_reward_advantages(gathered, run.weights, aggregation=run.cfg.reward_aggregation,
+                                        global_std=run.cfg.global_std)
+    return gathered, vgrpo.soft_clip(adv, eta=run.cfg.soft_clip_eta)
+
+
+def optimize(run: Run, batch: Batch, adv: torch.Tensor, t: torch.Tensor, eps: torch.Tensor):
+    """num_grad_steps optimizer steps on this rank's samples, all on the same stored pairs. s_old is computed inside
+    vgrpo_update only where it differs from the first gradient pass (samples trained after an optimizer step); with
+    one gradient step per iteration there is no separate old-policy pass. Then the EMA, if any."""
+    cfg = run.cfg
+    local_adv = adv[run.groups[0]:run.groups[-1] + 1].flatten()
+    ro = vgrpo.Rollouts(batch.x0, batch.cond, local_adv, t, eps)
+    update = vgrpo.vgrpo_update(run.surrogate, run.optimizer, ro, num_grad_steps=cfg.num_grad_steps,
+                                micro_batch_size=cfg.micro_batch_size, clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef,
+                                max_grad_norm=cfg.max_grad_norm, reference=run.reference, ref_kl_coef=cfg.ref_kl_coef)
+    if run.ema:
+        guards.ema_update(list(run.ema.values()), run.trainable, cfg.ema_decay)
+    return ro, update
 
 
 STDOUT_METRICS = ("reward_mean", "reward_std", "eval/reward_mean", "ratio_mean", "clipfrac", "approx_kl", "kl", "ref_kl",
                   "grad_norm", "surrogate_cv_within", "frac_zero_std_groups", "images_per_s", "skipped_steps")
 
 
-def training_prompts(cfg: Config) -> tuple[list[Prompt], list[Prompt]]:
-    """The training prompts and the eval_samples evaluation prompts (position i gets fixed noise i): --prompts (a file
-    or a named set's train split; tiny models have built-ins) and --eval_prompts, by default the named set's test
-    split or else the first training prompts, cycled. Checked against what the rewards need from each prompt."""
-    if not cfg.prompts and cfg.model not in builders.TINY_MODELS:
-        raise ConfigError(f"--prompts is required for a real model: a .txt (one prompt per line) or .jsonl file, or a "
-                          f"named set ({', '.join(prompt_sets.SETS)})")
-    say = print if os.environ.get("RANK", "0") == "0" else (lambda _: None)
-    prompts = (prompt_sets.load(cfg.prompts, split="train", say=say) if cfg.prompts
-               else [Prompt(p, {}) for p in builders.tiny_prompts(models.model_family(cfg.model))])
-    eval_spec = cfg.eval_prompts or prompt_sets.test_split(cfg.prompts)
-    listed = prompt_sets.load(eval_spec, split="test", say=say) if eval_spec else prompts[:cfg.eval_samples]
-    eval_prompts = [listed[i % len(listed)] for i in range(cfg.eval_samples)]
-    names = rewards.parse_reward_spec(cfg.rewards)
-    prompt_sets.check_for_rewards(prompts, names, cfg.prompts or "the built-in prompts")
-    if eval_spec:
-        prompt_sets.check_for_rewards(eval_prompts, names, eval_spec)
-    return prompts, eval_prompts
+def log(run: Run, it: int, batch: Batch, scores: dict, adv: torch.Tensor, ro: vgrpo.Rollouts, update: dict,
+        clock: list[float], eval_prompts: list[Prompt]) -> dict:
+    """The iteration's metrics (the same on every rank), the evaluation on its schedule, a line on stdout every
+    log_every iterations; metrics.jsonl and the tracker get every iteration. clock: the iteration's start and the
+    ends of its rollouts, rewards and update."""
+    cfg, device, K = run.cfg, run.device, run.cfg.num_mc
+    weighted = sum(w * scores[name] for name, w in run.weights.items())
+    cv = vgrpo.surrogate_cv(parallel.all_gather(ro.s_old.mean(1).view(len(run.groups), cfg.group_size)))
+    samples = len(run.groups) * cfg.group_size  # on this rank
+    metrics = {
+        "reward_mean": weighted.mean().item(), "reward_std": weighted.std().item(),
+        **{f"reward/{n}_mean": s.mean().item() for n, s in scores.items()},
+        **{f"reward/{n}_std": s.std().item() for n, s in scores.items()},
+        "frac_zero_std_groups": (adv == 0).all(dim=1).float().mean().item(),
+        # x0_rms: the rollouts' mean latent RMS, for the hacking rule's drift bound
+        **parallel.reduce_metrics({**update, "x0_rms": batch.x0.float().pow(2).flatten(1).mean(1).sqrt().mean().item()},
+                                  device),
+        "surrogate_cv": cv["cv"], "surrogate_cv_within": cv["cv_within"],
+        # Model evaluations per sample: rollout steps (x2 for heun, x2 under CFG); the old-policy pass only for the
+        # samples trained after an optimizer step; the base model's no-grad pass for every sample when the reference
+        # KL is trained on, else for one micro-batch (to log it); K forward+backward in the gradient steps.
+        "nfe_rollout": cfg.sampling_steps * (2 if cfg.solver == "heun" else 1) * (2 if cfg.cfg_scale != 1.0 else 1),
+        "nfe_old": K * (cfg.num_grad_steps - 1) / cfg.num_grad_steps,
+        "nfe_ref": 0 if run.reference is None else K if cfg.ref_kl_coef > 0 else K * cfg.micro_batch_size / samples,
+        "nfe_grad": K,
+        "time_rollout": clock[1] - clock[0], "time_reward": clock[2] - clock[1], "time_update": clock[3] - clock[2],
+        "images_per_s": cfg.num_prompts * cfg.group_size / (clock[3] - clock[0]),
+        "peak_memory_gb": parallel.reduce_metrics({"m_max": runs.peak_memory_gb(device)}, device)["m_max"],
+        "prompt_indices": batch.chosen,
+    }
+    if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
+        with guards.ema_weights(run.trainable, list(run.ema.values())) if cfg.eval_with_ema else contextlib.nullcontext():
+            metrics.update(rollouts.evaluate(cfg, run.model, run.rollout_velocity, eval_prompts,
+                                             {**run.reward_fns, **run.monitor_fns}, run.weights, run.rank, run.world,
+                                             device, run.dir / "samples" / f"iter-{it:06d}.png" if run.rank == 0 else None))
+    run.tracker.log(it, metrics)
+    if run.rank == 0 and "eval/reward_mean" in metrics:
+        runs.draw_curves(run.dir)
+    if run.rank == 0 and (it % cfg.log_every == 0 or it == cfg.iterations - 1):
+        run.bar.write(f"iter {it}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in STDOUT_METRICS))
+    run.bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{metrics['ratio_mean']:.3f}",
+                        skipped=int(metrics["skipped_steps"]))
+    return metrics
+
+
+def save(run: Run, it: int) -> bool:
+    """The checkpoint of iteration it, every save_every iterations, at the end, and when SIGTERM / SIGINT asked any
+    rank to stop (all ranks agree first). True when the run stops here."""
+    cfg = run.cfg
+    stopping = parallel.reduce_metrics({"stop_max": float(run.stop["requested"])}, run.device)["stop_max"] > 0
+    if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
+        checkpoint.save_checkpoint(run.dir, it, run.model.transformer, run.optimizer, run.rank, ema=run.ema)
+    if stopping and run.rank == 0:
+        print(f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {it} saved; the same command continues it",
+              flush=True)
+    return stopping
+
+
+def finish(run: Run) -> None:
+    """The export (the EMA's weights with --export_ema), and on rank 0 the run's curve and what to open next."""
+    cfg = run.cfg
+    with guards.ema_weights(run.trainable, list(run.ema.values())) if cfg.export_ema else contextlib.nullcontext():
+        checkpoint.export_final(run.dir / "final", run.model, lora=cfg.lora_rank > 0, rank=run.rank,
+                                info={"weights": "ema" if cfg.export_ema else "trained", "ema_decay": cfg.ema_decay,
+                                      "iteration": cfg.iterations - 1})
+    if run.rank == 0:
+        print(runs.summary_table(runs.read_metrics(run.dir)))
+        print(runs.closing_summary(run.dir, cfg, run.model, curves=runs.draw_curves(run.dir)))
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+
+
+def load_trained(run_dir: Path, device: torch.device, dtype: torch.dtype, settings: dict | None = None
+                 ) -> adapters.FlowAdapter:
+    """A run's model exactly as training left it, in one process: its config (with `settings` changed, e.g. the
+    sampler evaluate.py uses), its base model, its last checkpoint (whatever world size wrote it)."""
+    cfg = dataclasses.replace(parse_config(["--resume", str(run_dir)]), **(settings or {}))
+    model = models.load_pipeline(cfg, models.model_family(cfg.model), device, dtype)
+    models.make_trainable(model.transformer, cfg)
+    optimizer = torch.optim.AdamW([p for p in model.transformer.parameters() if p.requires_grad])
+    checkpoint.load_checkpoint(Path(run_dir), model.transformer, optimizer, rank=0)
+    return model
+
+
+def fresh_start(cfg: Config) -> bool:
+    """--fresh on the first launch: a restart of the same job (torchrun, a Slurm requeue) continues what it began."""
+    return cfg.fresh and not parallel.restarted()
+
+
+def finished(cfg: Config) -> str:
+    """'' unless --run_dir holds a finished run of these iterations: then what to say instead of training."""
+    done = runs.export_iteration(Path(cfg.run_dir)) if cfg.run_dir and not fresh_start(cfg) else None
+    if done is None or done < cfg.iterations - 1:
+        return ""
+    return (f"{cfg.run_dir} is finished: it trained {done + 1} iterations and its export is in {cfg.run_dir}/final; "
+            "nothing to do (--iterations N continues it to N, --fresh starts it over)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -658,9 +766,14 @@ def main(argv: list[str] | None = None) -> None:
                       "larger calls gain)")
             return
         family = validate(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        if finished(cfg):
+            if os.environ.get("RANK", "0") == "0":
+                print(finished(cfg))
+            return
         failures.check_sizes(cfg, int(os.environ.get("WORLD_SIZE", 1)), failures.machine_memory_gb())
-        runs.check_run_dir(cfg.run_dir or "runs")
-        prompts, eval_prompts = training_prompts(cfg)
+        runs.check_run_dir(cfg.run_dir or "runs", continuing=runs.holds_run(Path(cfg.run_dir or "runs")),
+                           fresh=fresh_start(cfg))
+        prompts, eval_prompts = prompt_sets.training_prompts(cfg)
         train(cfg, family, prompts, eval_prompts)
 
 

@@ -1,5 +1,5 @@
 """Fixtures shared by the test files: saved tiny pipelines of every family, short runs on them, the real-width
-pipelines, a tiny CLIP. Session-scoped and built once per session; under pytest-xdist each worker builds its own.
+pipelines, a tiny CLIP. Each is built once per session; under pytest-xdist the workers share one copy (built_once).
 """
 
 import json
@@ -9,46 +9,44 @@ import torch
 
 import adapters
 import builders
-from helpers import SAVED_REAL, SMALL_RUN, run_train
+from helpers import SAVED_REAL, SMALL_RUN, built_once, run_train
 
 
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory):
     """Random tiny pipelines of every family saved with save_pretrained, and a jsonl prompt file."""
-    root = tmp_path_factory.mktemp("pipelines")
-    for family in adapters.ADAPTERS:
-        builders.tiny_pipeline(family, seed=0).save_pretrained(root / family)
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"a {c} {t}", "color": c})
-                                                  for c in ("red", "green", "blue") for t in ("car", "flower")))
-    return root
+    def build(root):
+        for family in adapters.ADAPTERS:
+            builders.tiny_pipeline(family, seed=0).save_pretrained(root / family)
+        (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"a {c} {t}", "color": c})
+                                                      for c in ("red", "green", "blue") for t in ("car", "flower")))
+    return built_once(tmp_path_factory, "pipelines", build)
 
 
 @pytest.fixture(scope="session")
 def sd3_run(tiny_dirs, tmp_path_factory):
     """Two LoRA iterations on the saved tiny SD3 pipeline, one process."""
-    run_dir = tmp_path_factory.mktemp("runs") / "sd3"
-    run_train("--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", "--run_dir", run_dir, *SMALL_RUN)
-    return run_dir
+    return built_once(tmp_path_factory, "sd3-run", lambda run_dir: run_train(
+        "--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", "--run_dir", run_dir, *SMALL_RUN))
 
 
 @pytest.fixture(scope="session")
 def sd3_straight(tiny_dirs, tmp_path_factory):
-    """sd3_run's settings for 4 iterations straight: what a resumed run must equal."""
-    run_dir = tmp_path_factory.mktemp("runs") / "straight"
-    run_train("--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN, "--iterations", "4",
-              "--run_dir", run_dir)
-    return run_dir
+    """sd3_run's settings for 4 iterations straight: what a continued run must equal."""
+    return built_once(tmp_path_factory, "sd3-straight", lambda run_dir: run_train(
+        "--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN, "--iterations", "4",
+        "--run_dir", run_dir))
 
 
 @pytest.fixture(scope="session")
 def real_dirs(tmp_path_factory):
     """One member of each family at real width, saved with save_pretrained: SD3.5-Medium (2 blocks), FLUX.1-dev and
     FLUX.2 [klein] 4B (1 double + 1 single block), Qwen-Image and Wan2.1-T2V-1.3B (1 block)."""
-    root = tmp_path_factory.mktemp("real")
-    for name in SAVED_REAL.values():
-        builders.reduced_pipeline(name).save_pretrained(root / name)
-    (root / "prompts.txt").write_text("a red car\na blue flower\n")
-    return root
+    def build(root):
+        for name in SAVED_REAL.values():
+            builders.reduced_pipeline(name).save_pretrained(root / name)
+        (root / "prompts.txt").write_text("a red car\na blue flower\n")
+    return built_once(tmp_path_factory, "real", build)
 
 
 @pytest.fixture(scope="session")

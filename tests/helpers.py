@@ -4,6 +4,7 @@ test files make (same training in 1 and N processes, an export that reproduces t
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 
 import adapters
 import parallel
@@ -161,3 +163,21 @@ SAVED_REAL = {"sd3": "sd3.5-medium", "flux": "flux.1-dev", "qwenimage": "qwen-im
 # by a row-major bf16 weight (the input gradient of every frozen linear) ~50x slower than in float32, linearly in the
 # tokens; the widths, dtypes and layouts under test do not depend on the token count.
 BF16_TOKENS = ["--resolution", "32", "--max_sequence_length", "4"]
+
+
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A directory that build(path) fills, made once per test session: under pytest-xdist the first worker to ask
+    builds it in the session's shared temporary directory while the others wait on a lock (the real-width pipelines
+    take a minute, and each worker would otherwise build its own). Tests copy it before changing anything in it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        path = tmp_path_factory.mktemp(name)
+        build(path)
+        return path
+    path = tmp_path_factory.getbasetemp().parent / name
+    with FileLock(f"{path}.lock"):
+        if not Path(f"{path}.done").is_file():
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            Path(f"{path}.done").touch()
+    return path

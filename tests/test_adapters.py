@@ -9,10 +9,12 @@ import torch
 
 import adapters
 import builders
+import evaluate
 import failures
 import models
+import train
 import vgrpo
-from helpers import IMAGE_FAMILIES, SAVED_REAL, adapter_for
+from helpers import IMAGE_FAMILIES, SAVED_REAL, adapter_for, one_line_stop
 
 # Guidance as each pipeline applies it when called the plain way, and the scale our rollouts then use: SD3 without CFG
 # (the paper's rollouts), FLUX.1 through its distilled-guidance embedding (FlowAdapter.guidance), Qwen-Image with true
@@ -196,3 +198,17 @@ def test_cond_like_is_shaped_like_encode(family):
     model = adapter_for(builders.tiny_pipeline(family), family)
     real = model.encode(["a red car", "a blue flower"])
     assert {k: v.shape for k, v in model.cond_like(2).items()} == {k: v.shape for k, v in real.items()}
+
+
+@pytest.mark.parametrize("script", ["train", "evaluate"])
+def test_a_video_longer_than_the_rotary_table_holds_is_refused_before_the_fit_and_any_sampling(script, monkeypatch,
+                                                                                             capsys):
+    """Before: --preset tiny-wan --num_frames 129 passed the 1 + 4k check, fitted the tiny model for a minute and died
+    in its first forward with "shape '[33, 1, 1, -1]' is invalid" (the rotary table holds 32 latent frames)."""
+    monkeypatch.setattr(builders, "fit_tiny_pipeline", lambda *a, **k: pytest.fail("the tiny model was fitted"))
+    monkeypatch.setattr(vgrpo, "sample_ode", lambda *a, **k: pytest.fail("sampling started"))
+    main = train.main if script == "train" else evaluate.main
+    text = one_line_stop(main, ["--preset", "tiny-wan", "--num_frames", "129"], capsys)
+    assert ("--num_frames 129 at 32 x 32 px is 33 latent frames of 4 x 4 patches; this WanTransformer3DModel has "
+            "rotary positions for at most 32 on each axis: at most 125 frames") in text
+    adapters.Wan(builders.tiny_wan_pipeline(), resolution=32, sampling_steps=1, max_sequence_length=8, num_frames=125)  # 32 latent frames fit

@@ -28,7 +28,7 @@ def test_flow_grpo_baseline_step_log_prob_is_the_gaussian_density():
     # at t = 1 sigma's t is the grid's second point (Flow-GRPO's sigma_max); the last step, to 0, is noisy too
     assert baselines.sde_mean_std(velocity, x, 1.0, 0.6, None, noise_level=0.7, t_cap=0.6)[1] == 0.7 * math.sqrt(1 / 0.4)
     assert not torch.allclose(path[-1][3], baselines.sde_mean_std(velocity, path[-1][0], 0.5, 0.0, None, noise_level=0.7,
-                                                              t_cap=0.6)[0])
+                                                                  t_cap=0.6)[0])
 
 
 def test_flow_grpo_update_is_flow_grpos_training_phase_written_out():
@@ -71,7 +71,7 @@ def test_flow_grpo_update_is_flow_grpos_training_phase_written_out():
     loss.backward()
     got = copy.deepcopy(policy)
     trained = baselines.flow_grpo_update(velocity(got), velocity(reference), path, c, adv, torch.optim.SGD(got.parameters(), lr=0.1),
-                                     list(got.parameters()), fg, t_cap=0.75, max_grad_norm=1e9, generator=g)
+                                         list(got.parameters()), fg, t_cap=0.75, max_grad_norm=1e9, generator=g)
     assert trained == 6
     for p_got, p_want in zip(got.parameters(), want.parameters()):
         torch.testing.assert_close(p_got, p_want - 0.1 * p_want.grad)
@@ -81,8 +81,8 @@ def test_flow_grpo_update_is_flow_grpos_training_phase_written_out():
     optimizer.register_step_post_hook(lambda *_: steps.append(len(rows)))
     adv[3] = 0.0  # 5 non-zero: one zero-advantage sample joins them
     trained = baselines.flow_grpo_update(lambda x, t, c: rows.append(x.shape[0]) or got(x), velocity(reference), path, c, adv,
-                                     optimizer, list(got.parameters()), baselines.FlowGRPO(), t_cap=0.75, max_grad_norm=1e9,
-                                     generator=g)
+                                         optimizer, list(got.parameters()), baselines.FlowGRPO(), t_cap=0.75, max_grad_norm=1e9,
+                                         generator=g)
     assert trained == 6 and rows == [3] * 6 and steps == [3, 6]
 
 
@@ -119,5 +119,5 @@ def test_flow_grpo_baseline_sde_keeps_the_marginals_of_the_flow():
 
     g = torch.Generator().manual_seed(0)
     x, _ = baselines.sample_sde(velocity, torch.randn(20000, 1, generator=g), vgrpo.flow_timesteps(400).tolist(), None,
-                            baselines.FlowGRPO(), g)
+                                baselines.FlowGRPO(), g)
     assert abs(x.mean().item() - m) < 0.02 and abs(x.std().item() - s) < 0.02

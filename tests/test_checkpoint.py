@@ -74,6 +74,10 @@ TAMPERING = {
     "no manifest": (lambda ckpt, marker: (ckpt / checkpoint.MANIFEST).unlink(), "manifest.json is missing"),
     "planted pickle": (plant_pickle, "system is not part of a checkpoint's metadata"),
     "latest outside": (lambda ckpt, marker: (ckpt.parent / "latest").write_text("../../elsewhere"), "not an iter-NNNNNN"),
+    # a whole, self-consistent checkpoint outside the folder, named by a pointer that starts like a checkpoint's
+    "latest by a name prefix": (lambda ckpt, marker: (shutil.copytree(ckpt, ckpt.parent.parent / "elsewhere"),
+                                                      (ckpt.parent / "latest").write_text("iter-000001/../../elsewhere")),
+                                "not an iter-NNNNNN"),
 }
 
 
@@ -132,15 +136,47 @@ def edit_config(run, **changes):
     config.write_text(json.dumps({**json.loads(config.read_text()), **changes}))
 
 
+def one_nan(state):
+    name = next(k for k in state["model"] if "lora_B" in k)
+    state["model"][name].view(-1)[7] = float("nan")
+
+
+def one_byte_short(ckpt):
+    shard = next(ckpt.glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size - 1)
+    resign(ckpt)
+
+
+def metadata_in_a_folder_named_like_the_checkpoint(ckpt):
+    """Shards in iter-000001-evil/, beside iter-000001/: a name-prefix test of the folder would take them."""
+    metadata = pickle.loads((ckpt / ".metadata").read_bytes())
+    evil = ckpt.parent / (ckpt.name + "-evil")
+    evil.mkdir()
+    for shard in ckpt.glob("*.distcp"):
+        shutil.copy(shard, evil / shard.name)
+    for info in metadata.storage_data.values():
+        info.relative_path = f"../{evil.name}/{info.relative_path}"
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    resign(ckpt)
+
+
 DAMAGE = {  # the manifest re-signed each time: these get past it
     "truncated shard": (lambda run, ckpt: (os.truncate(next(ckpt.glob("*.distcp")), 100), resign(ckpt)),
                         "is truncated"),
+    "shard one byte short": (lambda run, ckpt: one_byte_short(ckpt), "is truncated"),
     "NaN weights": (lambda run, ckpt: rewrite_tensors(ckpt, nan_weight), "holds values that are not finite (weight "),
+    "one NaN in a weight": (lambda run, ckpt: rewrite_tensors(ckpt, one_nan), "holds values that are not finite (weight "),
+    "metadata in a folder named like it": (lambda run, ckpt: metadata_in_a_folder_named_like_the_checkpoint(ckpt),
+                                           "outside the checkpoint folder"),
     "torn rng file": (lambda run, ckpt: (os.truncate(ckpt / "rng-rank0.pt", 50), resign(ckpt)), "rng-rank0.pt cannot be read"),
     "garbage state.json": (lambda run, ckpt: ((ckpt / "state.json").write_text("{iteration"), resign(ckpt)),
                            "state.json cannot be read"),
     "metadata pointing outside": (lambda run, ckpt: metadata_pointing_outside(ckpt), "outside the checkpoint folder"),
-    "config.json lr edited": (lambda run, ckpt: edit_config(run, lr="fast"), "lr is 'fast', not a float"),
+    "config.json lr edited": (lambda run, ckpt: edit_config(run, lr="fast"), "lr is 'fast', not a number"),
+    "config.json bool for a float": (lambda run, ckpt: edit_config(run, lr=True), "lr is True, not a number"),
+    "config.json bool for an int": (lambda run, ckpt: edit_config(run, num_mc=True), "num_mc is True, not an integer"),
+    "config.json float for an int": (lambda run, ckpt: edit_config(run, num_mc=4.0), "num_mc is 4.0, not an integer"),
+    "config.json number for a bool": (lambda run, ckpt: edit_config(run, stratified=1), "stratified is 1, not true or false"),
     "config.json lora_rank edited": (lambda run, ckpt: edit_config(run, lora_rank=16), "does not fit the model and adapter"),
     "config.json model edited": (lambda run, ckpt: edit_config(run, model="tiny-flux"), "does not fit the model and adapter"),
 }
@@ -205,10 +241,15 @@ def test_a_full_disk_at_a_save_stops_in_one_line_and_keeps_the_previous_checkpoi
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint.dcp, "save", fill_the_disk)
+    with pytest.raises(failures.RunStopped) as error:  # before the first checkpoint: the same command starts over
+        checkpoint.save_checkpoint(tmp_path / "new", 0, model.transformer, optimizer, rank=0)
+    assert "no checkpoint was written before: free space and run the same command again, it starts the run over" in \
+        str(error.value) and "--resume" not in str(error.value)  # before: it advised --resume, which had nothing
     with pytest.raises(failures.RunStopped) as error:
         checkpoint.save_checkpoint(tmp_path, 1, model.transformer, optimizer, rank=0)
     assert "could not write checkpoint" in str(error.value) and "No space left on device" in str(error.value)
-    assert "latest still names iter-000000" in str(error.value) and "\n" not in str(error.value)
+    assert "latest still names iter-000000: free space and run the same command again" in str(error.value)
+    assert "\n" not in str(error.value)
     root = tmp_path / "checkpoints"
     assert (root / "latest").read_text() == "iter-000000" and sorted(p.name for p in root.iterdir()) == ["iter-000000", "latest"]
     assert checkpoint.checkpoint_problem(root / "iter-000000") == ""  # intact, resumable

@@ -41,6 +41,20 @@ def test_sigterm_or_ctrl_c_checkpoints_the_current_iteration_and_exits_cleanly(s
     assert not (tmp_path / "final").exists()  # stopped early: no final export
 
 
+
+@pytest.mark.parametrize("script", ["train.py", "evaluate.py"])
+def test_ctrl_c_during_the_imports_stops_quietly(script, tmp_path):
+    """Before: Ctrl-C about a second after start, while torch and diffusers import, printed a KeyboardInterrupt
+    traceback from inside an import. Now one line and exit 130 whenever it comes before the training loop."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / script), "--run_dir" if script == "train.py" else "--out",
+                             str(tmp_path / "out")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # python is up; torch and diffusers take seconds to import
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] in ("stopped (Ctrl-C) while starting: nothing to save",
+                                            "stopped (Ctrl-C) before the first iteration: nothing to save")
+
 def test_ctrl_c_before_the_first_iteration_stops_quietly(tmp_path):
     """Before: a KeyboardInterrupt traceback from inside the tiny model's fit. Nothing has been trained, so there is
     nothing to save: one line, exit 130."""
@@ -60,7 +74,7 @@ def test_ctrl_c_before_the_first_iteration_stops_quietly(tmp_path):
 
 
 def test_a_ctrl_c_that_a_library_swallows_during_setup_still_stops_before_training(tiny_dirs, tmp_path, monkeypatch,
-                                                                                  capsys):
+                                                                                   capsys):
     """Seen once in CI: Ctrl-C one second into the tiny model's setup, and the run trained on for a minute (something
     during setup caught the KeyboardInterrupt). Here the model loading catches it on purpose: the run still stops
     before the first iteration, in one line, exit 130, nothing trained."""
@@ -128,7 +142,7 @@ class FaultyRewardServer:
                                           ("500", "HTTP 500: {\"error\": \"CUDA out of memory\"}"),
                                           ("nan", "malformed response")])
 def test_a_reward_server_failing_mid_run_stops_in_one_line_and_the_run_resumes(fault, reason, tiny_dirs, tmp_path,
-                                                                                capsys):
+                                                                               capsys):
     """Before: the right message under a traceback. Now one line, exit 1, nothing saved from the failed iteration,
     and --resume carries on once the server answers again (one case resumes; the others stop the same way)."""
     server = FaultyRewardServer("500" if fault == "down" else fault, good=2)  # iteration 0: 2 requests of 4

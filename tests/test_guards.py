@@ -24,7 +24,7 @@ from helpers import ROOT, SMALL_RUN, lora_weights, one_line_stop, read_metrics, 
 
 
 def test_nonfinite_rewards_stop_the_run_with_an_error_and_keep_the_last_good_checkpoint(tiny_dirs, tmp_path,
-                                                                                          monkeypatch, capsys):
+                                                                                        monkeypatch, capsys):
     """Iteration 1's rewards are NaN: the run stops with one line and a non-zero exit, saves nothing from it, exports
     nothing, and checkpoints/latest is still iteration 0 (before: every step was skipped, NaN metrics, exit 0)."""
     calls = []
@@ -53,7 +53,7 @@ def test_divergence_counts_consecutive_skipped_steps(monkeypatch):
     assert ok(skipped_run=2) == "" and "3 consecutive gradient steps were skipped" in ok(skipped_run=3)
     # one reward of several going NaN (an HTTP reward next to pickscore) is enough
     nan_beside = guards.divergence(torch.zeros(2), {"color": torch.zeros(2), "http": torch.tensor([0.0, math.nan])}, 0,
-                                  layer, cfg, torch.device("cpu"))
+                                   layer, cfg, torch.device("cpu"))
     assert nan_beside == "the rewards are not finite"
     # skips scattered over iterations of 2 gradient steps are not a run of skips; whole iterations skipped are
     run = 0
@@ -188,6 +188,16 @@ def test_hacking_rule_fires_on_a_rising_reward_with_a_falling_monitor_and_not_on
     assert fires <= 10, fires  # expected about 2000 x 0.5 x 0.00135 = 1.4
     assert guards.x0_drift(1.6, 1.0, 0.5) and not guards.x0_drift(1.4, 1.0, 0.5) and not guards.x0_drift(9.0, 1.0, 0.0)
 
+
+
+def test_the_drift_bound_is_relative_both_ways_and_fires_only_beyond_it_and_a_flat_reward_is_no_hack():
+    """x0_drift: images drifting darker (latent RMS down) as well as brighter; exactly at the bound is not beyond it.
+    The hacking rule wants the trained reward to rise: flat while a monitor falls is not a hack."""
+    assert guards.x0_drift(0.4, 1.0, 0.5) and not guards.x0_drift(0.6, 1.0, 0.5)  # 60% and 40% down
+    assert not guards.x0_drift(1.5, 1.0, 0.5) and not guards.x0_drift(0.5, 1.0, 0.5)  # exactly 50%: not beyond
+    assert "moved from 1 to 1.6, beyond --max_x0_drift 0.5" in guards.x0_drift(1.6, 1.0, 0.5)
+    flat, fall = [0.55] * 5, [0.60, 0.59, 0.57, 0.54, 0.52]
+    assert not guards.hacking(evals_history(flat, fall), ["aesthetic"], window=3, z=3.0, samples=128)
 
 def test_monitored_rewards_are_evaluated_not_trained_and_the_rule_warns(tiny_dirs, tmp_path, capsys):
     """A monitor is scored on the evaluation samples only: eval/jpeg_compressibility_mean appears, the training

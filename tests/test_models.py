@@ -28,7 +28,7 @@ def test_sharded_transformer_and_offloaded_text_encoders_are_not_placed_on_the_d
     assert places == {"transformer": "cpu", "text_encoder": "cpu", "text_encoder_2": "cpu", "text_encoder_3": "cpu",
                       "vae": "meta"}
     model = models.load_pipeline(train.Config(model=str(tiny_dirs / "sd3"), offload_text_encoders=False), "sd3",
-                                torch.device("meta"), torch.float32)
+                                 torch.device("meta"), torch.float32)
     assert all(next(m.parameters()).is_meta for m in model.pipe.components.values() if isinstance(m, torch.nn.Module))
 
 
@@ -167,7 +167,7 @@ def test_cfg_on_a_step_distilled_hub_checkpoint_is_refused_from_its_model_index(
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red car\n")
     assert "klein-9B is step-distilled" in one_line_stop(train.main, ["--model", "black-forest-labs/FLUX.2-klein-9B",
-                                                                     "--cfg_scale", "4", "--prompts", prompts], capsys)
+                                                                      "--cfg_scale", "4", "--prompts", prompts], capsys)
     base = train.parse_config(["--model", "black-forest-labs/FLUX.2-klein-base-9B", "--cfg_scale", "4", "--prompts",
                                str(prompts)])
     assert train.validate(base, 1) == "flux2"

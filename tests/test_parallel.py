@@ -1,13 +1,17 @@
 """Tests of parallel.py under torchrun (gloo, CPU): FSDP2 and HSDP train what one process trains, every family,
-bf16 at real width; collectives of ranks that disagree; compiled blocks; one all-gather per rollout batch.
+bf16 at real width; a worker killed and restarted (--max_restarts); two nodes; collectives of ranks that disagree;
+compiled blocks; one all-gather per rollout batch.
 """
 
 import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +23,7 @@ import parallel
 import train
 import vgrpo
 from helpers import (BF16_TOKENS, REAL_SMALL_RUN, ROOT, SMALL_RUN, assert_export_reproduces_training,
-                     assert_same_training, lora_weights, read_metrics, run_train)
+                     assert_same_training, built_once, free_port, lora_weights, read_metrics, run_train)
 
 
 def test_torchrun_fsdp2_two_processes_match_one_process(tiny_dirs, sd3_run, tmp_path):
@@ -165,3 +169,76 @@ def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(na
     assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["skipped_steps"] == 0
     assert checkpoint_dtypes(tmp_path) == {("model", torch.float32), ("optim", torch.float32)}
     assert_export_reproduces_training(tmp_path, real_dirs / name, family, lora=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Restarts and several nodes
+
+def restart_args(tiny_dirs) -> list:
+    """SMALL_RUN for 6 iterations with a checkpoint every 2: room to kill a worker after the first one."""
+    return ["--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl", *SMALL_RUN, "--iterations", "6",
+            "--save_every", "2"]
+
+
+@pytest.fixture(scope="session")
+def straight_two(tiny_dirs, tmp_path_factory):
+    """restart_args on 2 processes, straight through: what a restarted or two-node run must equal."""
+    return built_once(tmp_path_factory, "straight-two",
+                      lambda run_dir: run_train(*restart_args(tiny_dirs), "--run_dir", run_dir, nproc=2))
+
+
+def worker_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the train.py worker of `rank` writing run_dir (its command line names it; torchrun sets RANK)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if str(run_dir) in (proc / "cmdline").read_bytes().decode(errors="replace") and \
+                    f"RANK={rank}" in (proc / "environ").read_bytes().decode(errors="replace").split("\0"):
+                return int(proc.name)
+        except (OSError, ValueError):  # another user's process, or one that ended meanwhile
+            continue
+    return None
+
+
+def test_torchrun_max_restarts_continues_from_the_last_checkpoint_after_a_worker_is_killed(tiny_dirs, straight_two,
+                                                                                          tmp_path):
+    """Before: the restarted workers died in gloo's connectFullMesh ("Connection refused" to the dead group's port)
+    and the job failed; the survivor printed tracebacks from dcp.save / gather_object. Now the survivor says in one
+    line which rank died and that the last checkpoint is intact, the restarted group continues from it, and the run
+    ends with every iteration logged once and the straight run's weights, bit for bit (CPU, gloo)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max_restarts=1",
+           str(ROOT / "train.py"), *map(str, restart_args(tiny_dirs)), "--run_dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 300
+    while not (run_dir / "checkpoints" / "latest").is_file():
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint was written"
+        time.sleep(0.05)
+    victim = worker_pid(run_dir, rank=1)
+    os.kill(victim, signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert f"error: rank 1 (pid {victim}) stopped, and this rank cannot go on without it; the last checkpoint" in output
+    assert "Traceback" not in output.split("Root Cause")[0].split("failed (exitcode: -9)")[0]  # the workers' part
+    assert f"continuing {run_dir} at iteration" in output
+    assert [m["iteration"] for m in read_metrics(run_dir)] == list(range(6))
+    assert [m["reward_mean"] for m in read_metrics(run_dir)] == [m["reward_mean"] for m in read_metrics(straight_two)]
+    for k, v in lora_weights(straight_two).items():
+        assert torch.equal(lora_weights(run_dir)[k], v), k
+
+
+def test_two_torchrun_agents_as_two_nodes_train_what_two_processes_on_one_node_train(tiny_dirs, straight_two,
+                                                                                    tmp_path):
+    """torchrun --nnodes 2 --nproc_per_node 1 with c10d rendezvous: two agents on this machine stand for two nodes
+    (one process each, the run directory on a file system both see). --hsdp 0 makes it HSDP, 2 replicas of 1 shard:
+    the same training as FSDP over 2 processes on one node, to rounding."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=localhost:{port}", "--rdzv_id=two-nodes", str(ROOT / "train.py"),
+           *map(str, restart_args(tiny_dirs)), "--run_dir", str(tmp_path)]
+    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert all(agent.returncode == 0 for agent in agents), "\n".join(o[-2000:] for o in outputs)
+    assert any("world size 2 (HSDP: 2 replicas x 1 shards)" in o for o in outputs)
+    assert_same_training(straight_two, tmp_path)

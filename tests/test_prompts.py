@@ -32,6 +32,17 @@ def test_geneval_train_split_has_every_task_and_no_test_prompt_beyond_single_obj
         rewards.check_prompt("geneval", p.text, p.metadata)
 
 
+def test_prompt_files_strip_each_line_and_skip_blank_ones(tmp_path):
+    """Spaces, tabs and Windows line ends around a prompt are not part of it; a line of only those is no prompt."""
+    txt = tmp_path / "prompts.txt"
+    txt.write_bytes(b"  a red car  \r\n\n\t \r\n\ta blue flower\t\n   \nlast line without newline ")
+    assert [p.text for p in prompt_sets.load_file(str(txt))] == ["a red car", "a blue flower", "last line without newline"]
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('\n{"prompt": "a red car", "color": "red"}\n   \n{"prompt": "  kept as written  "}\n')
+    assert [(p.text, p.metadata.get("color")) for p in prompt_sets.load_file(str(jsonl))] == [
+        ("a red car", "red"), ("  kept as written  ", None)]
+
+
 def test_ocr_sets_quote_a_text_and_share_none_between_train_and_test():
     train_set, test_set = prompt_sets.load("ocr"), prompt_sets.load("ocr:test")
     assert (len(train_set), len(test_set)) == (20_000, 1000)

@@ -295,6 +295,49 @@ def test_geneval_scorer_served_over_http_returns_scores_and_accuracy():
         server.server_close()
 
 
+
+GENEVAL_BAD_METADATA = {  # request metadata -> the field the 400 answer names
+    "a number where the object goes": (5, "metadata must be a list of JSON objects, one per prompt"),
+    "metadata that is an object": ({"tag": "single_object"}, "metadata must be a list of JSON objects"),
+    "an exclude clause with a position": ({"tag": "counting", "include": [{"class": "dog", "count": 2}],
+                                           "exclude": [{"class": "dog", "count": 3, "position": ["left of", 0]}]},
+                                          "'exclude'[0] must be an object with 'class' and 'count' and no other field"),
+    "an object where the exclude list goes": ({"tag": "counting", "include": [{"class": "dog", "count": 2}],
+                                               "exclude": {"class": "dog", "count": 3}}, "'exclude' must be a list"),
+    "an object where the include list goes": ({"tag": "single_object", "include": {"class": "dog", "count": 1}},
+                                              "'include' must be a non-empty list"),
+    "a clause that is a string": ({"tag": "single_object", "include": ["dog"]}, "'include'[0] must be an object"),
+    "a count that is a boolean": ({"tag": "single_object", "include": [{"class": "dog", "count": True}]},
+                                  "'include'[0]['count'] must be an integer >= 1"),
+    "a position naming a later clause": ({"tag": "position", "include": [{"class": "dog", "count": 1, "position":
+                                                                            ["left of", 1]}, {"class": "cat", "count": 1}]},
+                                         "'include'[0]['position'] must be [relation, index of an earlier include clause]"),
+    "an unknown colour": ({"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "teal"}]},
+                          "'include'[0]['color'] 'teal' is not one of"),
+}
+
+
+def test_geneval_server_answers_malformed_metadata_with_400_naming_the_field():
+    """Before: metadata [5] gave a 500 (AttributeError inside the rules), an exclude clause with a position a 400 "not
+    in list", a dict where a list goes was iterated by its keys. Each is now a 400 naming the field; the server goes
+    on serving."""
+    server = reward_bridge.reward_server(stub_geneval_scorer(), "geneval", port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    png = reward_bridge.encode_png(rewards.to_uint8(smooth_images(1, 16, 16))[0])
+    try:
+        for name, (metadata, field) in GENEVAL_BAD_METADATA.items():
+            request = {"images": [png], "prompts": ["a photo of a dog"],
+                       "metadata": metadata if name == "metadata that is an object" else [metadata]}
+            status, answer = post(url, json.dumps(request).encode())
+            assert status == 400 and field in answer["error"], (name, status, answer)
+        good = {"tag": "single_object", "include": [{"class": "dog", "count": 1}]}
+        status, answer = post(url, json.dumps({"images": [png], "prompts": ["a dog"], "metadata": [good]}).encode())
+        assert status == 200 and len(answer["scores"]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
 def test_mmdet_results_become_detections_per_class():
     boxes = [np.zeros((0, 5)) for _ in rewards.GENEVAL_CLASSES]
     boxes[rewards.GENEVAL_CLASSES.index("dog")] = np.array([[1, 2, 3, 4, 0.9], [5, 6, 7, 8, 0.4]])

@@ -575,6 +575,10 @@ def test_ocr_accuracy_is_flow_grpos_rule():
         a, b = ("".join(rng.choice(list("abc "), size=rng.integers(0, 9))) for _ in range(2))
         assert rewards.levenshtein(a, b) == brute_levenshtein(a, b)
     assert rewards.ocr_target('A sign "one" and "two"') == "one"  # Flow-GRPO: prompt.split('"')[1]
+    assert rewards.ocr_target('A sign "one" and "two"', {"text": "three"}) == "three"  # the metadata's text first
+    for prompt in ('A sign "with one quote', 'A sign that reads "   "', 'A sign that reads ""'):  # nothing to write
+        with pytest.raises(ValueError, match="ocr reward"):
+            rewards.ocr_target(prompt)
 
 
 def det(x1, y1, x2, y2, score=0.95, color=None):
@@ -591,6 +595,13 @@ def test_geneval_keep_thresholds_sorts_limits_and_suppresses_as_the_published_sc
     overlapping = {"cup": [det(0, 0, 10, 10, 0.9), det(1, 0, 11, 10, 0.8), det(30, 30, 40, 40, 0.7)]}
     assert len(rewards.geneval_keep(overlapping, "two_object")["cup"]) == 3  # max_overlap 1: no suppression
     assert [d.score for d in rewards.geneval_keep(overlapping, "two_object", max_overlap=0.5)["cup"]] == [0.9, 0.7]
+    # the overlap rule at its edges: a box overlapping a kept one by exactly max_overlap goes (GenEval keeps
+    # iou < max_overlap); at max_overlap 1 nothing goes, even a box identical to a kept one (IoU exactly 1)
+    half = {"cup": [det(0, 0, 9, 9, 0.9), det(0, 0, 9, 4, 0.8)]}  # the second is the top half: IoU 50 / 100
+    assert [d.score for d in rewards.geneval_keep(half, "two_object", max_overlap=0.5)["cup"]] == [0.9]
+    assert [d.score for d in rewards.geneval_keep(half, "two_object", max_overlap=0.51)["cup"]] == [0.9, 0.8]
+    twins = {"cup": [det(0, 0, 9, 9, 0.9), det(0, 0, 9, 9, 0.8)]}
+    assert [d.score for d in rewards.geneval_keep(twins, "two_object")["cup"]] == [0.9, 0.8]
     # compute_iou counts pixels inclusively: boxes 0..10 and 1..11 share 10 of 11 columns
     assert rewards.geneval_iou((0, 0, 10, 10), (1, 0, 11, 10)) == pytest.approx(110 / 132)
 
@@ -653,6 +664,9 @@ def test_geneval_metadata_is_checked_before_training():
     for bad in ({}, {"tag": "single_object"}, {"tag": "nonsense", "include": []},
                 {"tag": "single_object", "include": [{"class": "unicorn", "count": 1}]},
                 {"tag": "colors", "include": [{"class": "dog", "count": 1, "color": "teal"}]},
-                {"tag": "position", "include": [{"class": "dog", "count": 1, "position": ["left of", 0]}]}):
+                {"tag": "position", "include": [{"class": "dog", "count": 1, "position": ["left of", 0]}]},
+                [5], {"tag": "counting", "include": [{"class": "dog", "count": 2}], "exclude": {"class": "dog", "count": 3}},
+                {"tag": "counting", "include": [{"class": "dog", "count": 2}],
+                 "exclude": [{"class": "dog", "count": 3, "position": ["left of", 0]}]}):
         with pytest.raises(ValueError, match="geneval|GenEval"):
             rewards.check_prompt("geneval", "a photo", bad)
