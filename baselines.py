@@ -21,11 +21,13 @@ from pathlib import Path
 import torch
 
 import builders
+import guards
 import models
 import rewards
 import rollouts
 import train
 import vgrpo
+from prompts import Prompt
 
 # ----------------------------------------------------------------------------------------------
 # Flow-GRPO
@@ -171,7 +173,7 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
     weights = rewards.parse_reward_spec(cfg.rewards)
     reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
-    prompts = [train.Prompt(p, {}) for p in builders.TINY_PROMPTS]
+    prompts = [Prompt(p, {}) for p in builders.TINY_PROMPTS]
     eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
     grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
                        max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
@@ -201,5 +203,167 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
         if it % eval_every == 0 or it == iterations - 1:
             entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
                                               None)["eval/reward_mean"]
+        history.append(entry)
+    return history
+
+
+# ----------------------------------------------------------------------------------------------
+# DiffusionNFT
+
+
+@dataclass(frozen=True)
+class DiffusionNFT:
+    """DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117; github.com/NVlabs/DiffusionNFT) as its
+    scripts/train_nft_sd3.py runs config/nft.py's SD3 tasks on config/base.py's defaults."""
+
+    beta: float = 1.0  # config.beta: how far the implicit positive and negative policies step from the old one
+    kl: float = 1e-4  # train.beta: the squared velocity distance to the reference (the LoRA switched off)
+    adv_clip_max: float = 5.0  # train.adv_clip_max: advantages clipped to +-5, then mapped to r in [0, 1]
+    sampling_steps: int = 10  # sample.num_steps: deterministic DPM-Solver++(2M) rollouts (solver dpm2), no CFG
+    timestep_fraction: float = 0.99  # train.timestep_fraction: int(0.99 x 10) = 9 of the grid's timesteps trained
+    decay_type: int = 1  # the old policy's soft update after each epoch: decay min(0.001 x step, 0.5)
+    ema_decay: float = 0.9  # the EMA of the LoRA that is evaluated, warmed up as (1 + step) / (10 + step)
+    weight_decay: float = 1e-4  # train.adam_weight_decay
+    gradient_steps: int = 1  # gradient_step_per_epoch: optimizer steps per rollout batch (2 for its OCR task)
+
+
+def old_policy_decay(step: int, decay_type: int) -> float:
+    """return_decay of train_nft_sd3.py: the old policy's share in its soft update after `step` optimizer steps,
+    old <- decay old + (1 - decay) current."""
+    flat, rate, cap = {0: (0, 0.0, 0.0), 1: (0, 0.001, 0.5), 2: (75, 0.0075, 0.999)}[decay_type]
+    return 0.0 if step < flat else min((step - flat) * rate, cap)
+
+
+def nft_ema_decay(step: int, decay: float) -> float:
+    """The EMA's decay after `step` optimizer steps: (1 + step) / (10 + step), at most `decay`."""
+    return min((1 + step) / (10 + step), decay)
+
+
+def per_prompt_advantages(rewards: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    """PerPromptStatTracker(global_std=True) of Flow-GRPO and DiffusionNFT: each reward minus the mean of the
+    batch's rewards for the same prompt text, over the whole batch's population std + 1e-4. (N,) -> (N,)."""
+    std = rewards.double().std(unbiased=False) + 1e-4
+    adv = torch.empty_like(rewards, dtype=torch.float64)
+    for text in set(prompts):
+        rows = torch.tensor([p == text for p in prompts])
+        adv[rows] = (rewards[rows].double() - rewards[rows].double().mean()) / std
+    return adv.float()
+
+
+def nft_loss(v: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor, x_t: torch.Tensor, x0: torch.Tensor,
+             t: torch.Tensor, adv: torch.Tensor, nft: DiffusionNFT) -> torch.Tensor:
+    """DiffusionNFT's loss on B noised samples x_t = (1 - t) x0 + t eps: the advantage, clipped, maps to r in [0, 1];
+    the implicit positive policy v+ = beta v + (1 - beta) v_old and negative v- = (1 + beta) v_old - beta v each
+    predict x0 = x_t - t v, their squared errors weighted by the detached mean absolute error (floor 1e-5), so
+        L = adv_clip_max / beta * mean_B[r L(v+) + (1 - r) L(v-)] + kl * mean_B mean((v - v_ref)^2).
+    v (with gradient), v_old, v_ref, x_t, x0: (B, ...); t, adv: (B,)."""
+    dims, tb = tuple(range(1, x0.dim())), t.view(-1, *[1] * (x0.dim() - 1))
+    r = (adv.clamp(-nft.adv_clip_max, nft.adv_clip_max) / nft.adv_clip_max / 2 + 0.5).clamp(0, 1)
+
+    def weighted_error(v_implicit):
+        error = x_t - tb * v_implicit - x0
+        with torch.no_grad():
+            weight = error.double().abs().mean(dims, keepdim=True).clip(min=1e-5)
+        return (error**2 / weight).mean(dims)
+
+    positive = weighted_error(nft.beta * v + (1 - nft.beta) * v_old.detach())
+    negative = weighted_error((1 + nft.beta) * v_old.detach() - nft.beta * v)
+    policy = (r * positive + (1 - r) * negative).mean() / nft.beta * nft.adv_clip_max
+    return policy + nft.kl * (v - v_ref.detach()).pow(2).mean(dims).mean()
+
+
+def diffusion_nft_update(model, reference, old: list, params: list, optimizer, x0, cond, adv, grid: list[float],
+                         nft: DiffusionNFT, *, micro_batch_size: int, max_grad_norm: float, generator) -> int:
+    """DiffusionNFT's training phase on one rollout batch: every sample trained at int(timestep_fraction x steps) of
+    the sampling grid's timesteps (a random choice per sample), each with fresh noise, in `gradient_steps` optimizer
+    steps over the (shuffled) batch, the loss averaged over samples and timesteps. old: the old policy's LoRA
+    weights (swapped in for its forwards), reference(x, t, cond) the reference's velocity. Returns the timesteps
+    trained (each a forward and a backward of the policy and forwards of the old policy and the reference)."""
+    trained = int(nft.sampling_steps * nft.timestep_fraction)
+    timesteps = torch.tensor(grid[:-1])  # where the rollouts evaluated the model
+    order = torch.randperm(len(x0), generator=generator)
+    chosen = torch.stack([timesteps[torch.randperm(len(timesteps), generator=generator)[:trained]] for _ in x0])
+    for step_rows in order.chunk(nft.gradient_steps):
+        micro = step_rows.split(micro_batch_size)
+        for rows in micro:
+            c = rows_of(cond, rows)
+            for j in range(trained):
+                t = chosen[rows, j]
+                tb = t.view(-1, *[1] * (x0.dim() - 1))
+                x_t = (1 - tb) * x0[rows] + tb * torch.randn(x0[rows].shape, generator=generator)
+                with torch.no_grad(), guards.swapped_weights(params, old):
+                    v_old = model.velocity(x_t, t, c)
+                with torch.no_grad():
+                    v_ref = reference(x_t, t, c)
+                loss = nft_loss(model.velocity(x_t, t, c), v_old, v_ref, x_t, x0[rows], t, adv[rows], nft)
+                (loss / (len(micro) * trained)).backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return len(x0) * trained
+
+
+def diffusion_nft_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, nft: DiffusionNFT = DiffusionNFT(),
+                      flags=()) -> list[dict]:
+    """DiffusionNFT (DiffusionNFT's settings, diffusion_nft_update) on train.py's adapter, prompts, rewards, LoRA (r 32,
+    alpha 64, Gaussian init, the attention projections: DiffusionNFT's too), AdamW, rollout noise and evaluation:
+    rollouts by the old policy (deterministic DPM-Solver++(2M), nft.sampling_steps steps, no CFG), advantages per
+    prompt over the batch's std, one optimizer step, the EMA, then the old policy's soft update; evaluated with the
+    EMA weights, as DiffusionNFT evaluates. History as vgrpo_sd3's; flags: train.py flags (--lr sets this one's)."""
+    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
+    model = models.load_pipeline(cfg, "sd3", device, torch.float32)
+    models.make_trainable(model.transformer, cfg)
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    old = [p.detach().clone() for p in params]  # the old policy starts as the initial LoRA
+    ema = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=nft.weight_decay)
+    weights = rewards.parse_reward_spec(cfg.rewards)
+    reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
+    prompts = [Prompt(p, {}) for p in builders.TINY_PROMPTS]
+    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
+    sampler = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=nft.sampling_steps,
+                          max_sequence_length=cfg.max_sequence_length)
+
+    def reference(x, t, cond):
+        with adapters_disabled(model.transformer):
+            return model.velocity(x, t, cond)
+
+    P, G = cfg.num_prompts, cfg.group_size
+    g = torch.Generator().manual_seed(seed)
+    history, counts, seconds = [], dict(grad_steps=0, nfe_fwd=0, nfe_bwd=0), 0.0
+    for it in range(iterations):
+        start = time.perf_counter()
+        batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
+        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+        noise = rollouts.initial_noise(cfg, model, "rollout", it, range(P * G), device)
+        with guards.swapped_weights(params, old):  # the old policy samples
+            x0 = sampler.sample(model.velocity, noise, cond, "dpm2")
+        images = model.decode(x0)
+        scores = {n: fn(images, [p.text for p in batch], [p.metadata for p in batch]).float() for n, fn in reward_fns.items()}
+        reward = sum(w * scores[n] for n, w in weights.items())
+        adv = per_prompt_advantages(reward, [p.text for p in batch])
+        trained = diffusion_nft_update(model, reference, old, params, optimizer, x0, cond, adv,
+                                       sampler.timesteps().tolist(), nft, micro_batch_size=cfg.micro_batch_size,
+                                       max_grad_norm=cfg.max_grad_norm, generator=g)
+        counts["grad_steps"] += nft.gradient_steps
+        with torch.no_grad():
+            for e, p in zip(ema, params):  # after each optimizer step in DiffusionNFT; one per batch here
+                e.lerp_(p, 1 - nft_ema_decay(counts["grad_steps"], nft.ema_decay))
+            decay = old_policy_decay(counts["grad_steps"], nft.decay_type)
+            for o, p in zip(old, params):
+                o.copy_(decay * o + (1 - decay) * p)
+        seconds += time.perf_counter() - start
+        # rollout forwards; per trained timestep the policy's forward and backward, the old policy's and the
+        # reference's forwards
+        counts["nfe_fwd"] += P * G * nft.sampling_steps + 3 * trained
+        counts["nfe_bwd"] += trained
+        entry = dict(reward_mean=reward.mean().item(), eval=None, seconds=seconds, **counts,
+                     nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
+        if it % eval_every == 0 or it == iterations - 1:
+            with guards.swapped_weights(params, ema):
+                entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1,
+                                                  device, None)["eval/reward_mean"]
         history.append(entry)
     return history

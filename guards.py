@@ -59,15 +59,15 @@ def ema_update(ema: list[torch.Tensor], params: list[torch.Tensor], decay: float
 
 
 @contextlib.contextmanager
-def ema_weights(params: list[torch.Tensor], ema: list[torch.Tensor]):
-    """The EMA weights in place of the trained ones inside the block (evaluation, export), swapped back after; one
-    tensor of temporary memory at a time."""
+def swapped_weights(params: list[torch.Tensor], others: list[torch.Tensor]):
+    """Other weights (the EMA's, for an evaluation or the export) in place of the trained ones inside the block,
+    swapped back after; one tensor of temporary memory at a time."""
     def swap():
         with torch.no_grad():
-            for p, e in zip(params, ema):
+            for p, o in zip(params, others):
                 kept = p.detach().clone()
-                p.copy_(e)
-                e.copy_(kept)
+                p.copy_(o)
+                o.copy_(kept)
     swap()
     try:
         yield

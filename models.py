@@ -100,8 +100,8 @@ def load_pipeline(cfg, family: str, device: torch.device, dtype: torch.dtype,
         pipe = builders.tiny_pipeline(family, seed=cfg.seed)
         behind(pipe)  # the adapter's checks (a video its rotary table holds) before the fit's minute, not after
         if cfg.tiny_fit_steps:
-            builders.fit_tiny_pipeline(pipe, adapter, steps=cfg.tiny_fit_steps, seed=cfg.seed,
-                                       progress=os.environ.get("RANK", "0") == "0")
+            builders.fitted(pipe, family, seed=cfg.seed, steps=cfg.tiny_fit_steps,
+                            progress=os.environ.get("RANK", "0") == "0")
         pipe = pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
     else:  # from_pretrained keeps the modules a model marks as float32-only in float32 (none in bf16 since transformers 5)
         pipe = getattr(diffusers, adapter.pipeline_class).from_pretrained(cfg.model, dtype=dtype)

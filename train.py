@@ -106,8 +106,9 @@ class Config:
                                  "ocr 4 as Flow-GRPO, the others 1 as Flow-Factory); video rewards (motion) see all")
     # --- rollouts
     sampling_steps: int = arg(8, "ODE steps per rollout")
-    solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step) | scheduler (the "
-                      "pipeline's own scheduler, e.g. Wan's UniPC, stepped as pipe() does)")
+    solver: str = arg("euler", "euler | heun (2 NFE/step) | ab2 (2nd-order multistep, 1 NFE/step) | dpm2 "
+                               "(DPM-Solver++(2M), 1 NFE/step) | scheduler (the pipeline's own scheduler, e.g. Wan's "
+                               "UniPC, stepped as pipe() does)")
     cfg_scale: float = arg(1.0, "classifier-free guidance for rollouts only, combined as the model's pipeline does (SD3, "
                                 "Qwen-Image: true CFG with norm rescale, FLUX.2 [klein] base); 1 = off, as in the paper")
     flux_guidance: float = arg(3.5, "FLUX.1-dev distilled-guidance embedding value (unused by models without one, e.g. schnell)")
@@ -356,7 +357,7 @@ def validate_numbers(cfg: Config) -> None:
 
 def validate(cfg: Config, world_size: int) -> str:
     """Checks everything that can be checked without loading a model. Returns the model family."""
-    choices = dict(solver=("euler", "heun", "ab2", "scheduler"), param=vgrpo.PARAMETERISATIONS, tracker=("none", "tensorboard", "wandb"),
+    choices = dict(solver=(*vgrpo.SOLVERS, "scheduler"), param=vgrpo.PARAMETERISATIONS, tracker=("none", "tensorboard", "wandb"),
                    reward_aggregation=("advantage", "reward"), dtype=("auto", "bfloat16", "float32"),
                    compile=("none", "inductor", "aot_eager"))
     for name, allowed in choices.items():
@@ -467,8 +468,8 @@ class Run:
     trainable: list[torch.Tensor]  # the trained weights (LoRA or all): float32 master weights, FSDP2 shards
     ema: dict[str, torch.Tensor]  # their EMA (empty without --ema_decay), sharded like them
     weights: dict[str, float]  # trained reward -> weight
-    reward_fns: dict  # trained rewards, then monitors: name -> reward
-    monitor_fns: dict
+    reward_fns: dict  # the trained rewards: name -> reward
+    monitor_fns: dict  # the rewards only evaluated (--monitor_rewards)
     rollout_velocity: Callable  # the model's velocity, under CFG where the run samples with it
     surrogate: Callable  # s(x0, cond, t, eps) of the trained model: the same function for theta_old and theta
     reference: Callable | None  # the same of the frozen base model (reference KL), None without one
@@ -681,7 +682,7 @@ def log(run: Run, it: int, batch: Batch, scores: dict, adv: torch.Tensor, ro: vg
         "prompt_indices": batch.chosen,
     }
     if cfg.eval_every and (it % cfg.eval_every == 0 or it == cfg.iterations - 1):
-        with guards.ema_weights(run.trainable, list(run.ema.values())) if cfg.eval_with_ema else contextlib.nullcontext():
+        with guards.swapped_weights(run.trainable, list(run.ema.values())) if cfg.eval_with_ema else contextlib.nullcontext():
             metrics.update(rollouts.evaluate(cfg, run.model, run.rollout_velocity, eval_prompts,
                                              {**run.reward_fns, **run.monitor_fns}, run.weights, run.rank, run.world,
                                              device, run.dir / "samples" / f"iter-{it:06d}.png" if run.rank == 0 else None))
@@ -711,7 +712,7 @@ def save(run: Run, it: int) -> bool:
 def finish(run: Run) -> None:
     """The export (the EMA's weights with --export_ema), and on rank 0 the run's curve and what to open next."""
     cfg = run.cfg
-    with guards.ema_weights(run.trainable, list(run.ema.values())) if cfg.export_ema else contextlib.nullcontext():
+    with guards.swapped_weights(run.trainable, list(run.ema.values())) if cfg.export_ema else contextlib.nullcontext():
         checkpoint.export_final(run.dir / "final", run.model, lora=cfg.lora_rank > 0, rank=run.rank,
                                 info={"weights": "ema" if cfg.export_ema else "trained", "ema_decay": cfg.ema_decay,
                                       "iteration": cfg.iterations - 1})

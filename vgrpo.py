@@ -67,32 +67,49 @@ def flow_timesteps(num_steps: int, *, shift: float = 1.0) -> torch.Tensor:
     return (shift * t / (1 + (shift - 1) * t)).float()
 
 
+SOLVERS = ("euler", "heun", "ab2", "dpm2")
+
+
 @torch.no_grad()
 def sample_ode(
     velocity: Velocity, noise: torch.Tensor, cond: Any, timesteps: torch.Tensor, *, solver: str = "euler"
 ) -> torch.Tensor:
     """Integrate dz/dt = v(z, t, cond) from timesteps[0] down to timesteps[-1]. (B, ...) -> (B, ...).
 
-    solver: "euler" (1 NFE/step), "heun" (2nd order, 2 NFE/step) or "ab2" (2nd-order
-    Adams-Bashforth multistep for non-uniform steps, 1 NFE/step after the first).
-    V-GRPO scores only the final sample, so any deterministic solver is a valid policy.
+    solver: "euler" (1 NFE/step), "heun" (2nd order, 2 NFE/step), "ab2" (2nd-order Adams-Bashforth multistep for
+    non-uniform steps, 1 NFE/step after the first) or "dpm2": DPM-Solver++(2M) (Lu et al. 2022, data prediction,
+    midpoint form) on the flow, where the data prediction is x0 = z - t v and the log-SNR lambda = log((1 - t) / t);
+    1 NFE/step, first order (= Euler) on the first step, on the one after a step from t = 1 (lambda = -inf there) and
+    on the last to t = 0: the deterministic sampler of DiffusionNFT and MixGRPO-Flash. V-GRPO scores only the final
+    sample, so any deterministic solver is a valid policy.
     """
-    if solver not in ("euler", "heun", "ab2"):
-        raise ValueError(f"solver must be 'euler', 'heun' or 'ab2', got {solver!r}")
-    z, v_prev, h_prev = noise.float(), None, None
-    for t_cur, t_next in zip(timesteps[:-1].tolist(), timesteps[1:].tolist()):
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
+    z, v_prev, h_prev, x0_prev = noise.float(), None, None, None
+    grid = timesteps.tolist()
+    for i, (t_cur, t_next) in enumerate(zip(grid[:-1], grid[1:])):
         h = t_next - t_cur  # negative: time runs from noise to data
         v = velocity(z, torch.full((z.shape[0],), t_cur, device=z.device), cond).float()
+        x0 = z - t_cur * v if solver == "dpm2" else None
         if solver == "heun":
             v_end = velocity(z + h * v, torch.full((z.shape[0],), t_next, device=z.device), cond).float()
             z = z + h * (v + v_end) / 2
         elif solver == "ab2" and v_prev is not None:
             r = h / (2 * h_prev)  # variable-step AB2 weights
             z = z + h * ((1 + r) * v - r * v_prev)
+        elif solver == "dpm2" and x0_prev is not None and t_next > 0:
+            step = log_snr(t_next) - log_snr(t_cur)
+            ratio = (log_snr(t_cur) - log_snr(grid[i - 1])) / step  # infinite after a step from t = 1
+            z = t_next / t_cur * z - (1 - t_next) * math.expm1(-step) * (x0 + 0.5 * (x0 - x0_prev) / ratio)
         else:
             z = z + h * v
-        v_prev, h_prev = v, h
+        v_prev, h_prev, x0_prev = v, h, x0
     return z
+
+
+def log_snr(t: float) -> float:
+    """lambda(t) = log((1 - t) / t) of the flow z_t = (1 - t) x0 + t eps: -inf at t = 1, +inf at t = 0."""
+    return -math.inf if t >= 1 else math.inf if t <= 0 else math.log((1 - t) / t)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_ema_after_n_iterations_is_the_closed_form_and_swaps_in_and_back():
     closed = 0.8 ** n * weights[0] + sum(0.2 * 0.8 ** (n - k) * weights[k] for k in range(1, n + 1))
     torch.testing.assert_close(ema[0], closed, rtol=1e-6, atol=1e-7)
     before, ema_before = param.clone(), ema[0].clone()
-    with guards.ema_weights([param], ema):  # evaluation / export with the EMA, then the trained weights back
+    with guards.swapped_weights([param], ema):  # evaluation / export with the EMA, then the trained weights back
         assert torch.equal(param, ema_before)
     assert torch.equal(param, before) and torch.equal(ema[0], ema_before)
 

@@ -616,6 +616,9 @@ def test_geneval_positions_shrink_the_offset_by_the_object_sizes():
     assert rewards.geneval_relations(det(0, 0, 100, 100), det(10, 0, 110, 100)) == set()
     # mostly vertical offset: dx = -6/60.3 is not a relation, dy is
     assert rewards.geneval_relations(det(0, 0, 10, 10), det(6, 60, 16, 70)) == {"above"}
+    # exactly at 0.5 is not beyond it (GenEval: dx < -0.5): offset (-4, 3) of length 5, shrunk by 0.1 x (10 + 5) = 1.5
+    # to dx = -2.5 / 5 = -0.5 exactly, and by 0.1 x (2 + 2) to dy = 2.6 / 5 = 0.52
+    assert rewards.geneval_relations(det(-5, 2, 5, 4), det(1.5, -1, 6.5, 1)) == {"below"}
 
 
 GENEVAL_RULE_CASES = [

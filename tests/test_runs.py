@@ -121,6 +121,10 @@ def test_a_run_dir_is_continued_only_by_its_own_command_and_fresh_starts_it_over
     assert f"--run_dir {run} holds a run with other settings: --lr 0.003 (the run's: {saved['lr']})" in text
     assert f"(--resume {run}), start it over (--fresh)" in text
     assert train.parse_config(["--run_dir", str(run), "--iterations", "9", "--save_every", "3"]).lr == saved["lr"]
+    # a config.json from before a flag existed: the flag at its default changes nothing of the run
+    (run / "config.json").write_text(json.dumps({k: v for k, v in saved.items() if k != "frame_interval"}))
+    assert train.parse_config(["--run_dir", str(run), "--frame_interval", "0"]).lr == saved["lr"]
+    (run / "config.json").write_text(json.dumps(saved))
     assert train.parse_config(["--run_dir", str(run), "--lr", "0.003", "--resume", str(run)]).lr == 0.003
     (run / "notes.txt").write_text("mine")
     fresh = train.parse_config(["--run_dir", str(run), "--lr", "0.003", "--fresh"])
@@ -139,6 +143,7 @@ def test_run_files_without_a_run_and_max_restarts_without_a_run_dir_are_refused(
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     text = one_line_stop(train.main, ["--run_dir", tmp_path], capsys)
     assert f"--run_dir {tmp_path} holds metrics.jsonl but no config.json of a run: pass --fresh" in text
+    runs.check_run_dir(str(tmp_path), continuing=False, fresh=True)  # --fresh replaces them
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
     text = one_line_stop(train.main, [], capsys)
     assert "torchrun --max_restarts restarts the workers with the same flags: pass --run_dir" in text
