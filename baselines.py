@@ -47,11 +47,17 @@ class FlowGRPO:
 
 
 def sde_mean_std(velocity, x, t: float, t_next: float, cond, *, noise_level: float, t_cap: float):
-    """One Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler):
+    """One Euler-Maruyama step of the reverse SDE with the marginals of the flow (Flow-GRPO's sampler), the velocity
+    evaluated at (x, t): sde_kernel's mean, sigma and std."""
+    v = velocity(x, torch.full((x.shape[0],), t, device=x.device), cond)
+    return sde_kernel(v, x, t, t_next, noise_level=noise_level, t_cap=t_cap)
+
+
+def sde_kernel(v: torch.Tensor, x: torch.Tensor, t: float, t_next: float, *, noise_level: float, t_cap: float):
+    """Flow-GRPO's SDE step from the velocity v at (x, t):
         x' = x + (v + sigma^2 / (2t) (x + (1 - t) v)) dt + sigma sqrt(-dt) z,   sigma = a sqrt(t / (1 - t)),
     dt = t_next - t < 0; (x + (1 - t) v) / t is minus the score; t_cap keeps sigma finite at t = 1 (sigma's t = 1 is
     replaced by the grid's second point). Returns the mean of x', sigma and the step's std sigma sqrt(-dt)."""
-    v = velocity(x, torch.full((x.shape[0],), t, device=x.device), cond)
     dt = t_next - t
     sigma = noise_level * math.sqrt(t / (1 - min(t, t_cap)))
     return x + (v + sigma**2 / (2 * t) * (x + (1 - t) * v)) * dt, sigma, sigma * math.sqrt(-dt)
@@ -283,14 +289,15 @@ def diffusion_nft_update(model, reference, old: list, params: list, optimizer, x
     timesteps = torch.tensor(grid[:-1])  # where the rollouts evaluated the model
     order = torch.randperm(len(x0), generator=generator)
     chosen = torch.stack([timesteps[torch.randperm(len(timesteps), generator=generator)[:trained]] for _ in x0])
+    noise = torch.randn((len(x0), trained, *x0.shape[1:]), generator=generator).to(x0.device)  # drawn once, up front
     for step_rows in order.chunk(nft.gradient_steps):
         micro = step_rows.split(micro_batch_size)
         for rows in micro:
             c = rows_of(cond, rows)
             for j in range(trained):
-                t = chosen[rows, j]
+                t = chosen[rows, j].to(x0.device)
                 tb = t.view(-1, *[1] * (x0.dim() - 1))
-                x_t = (1 - tb) * x0[rows] + tb * torch.randn(x0[rows].shape, generator=generator)
+                x_t = (1 - tb) * x0[rows] + tb * noise[rows, j]
                 with torch.no_grad(), guards.swapped_weights(params, old):
                     v_old = model.velocity(x_t, t, c)
                 with torch.no_grad():
@@ -365,5 +372,166 @@ def diffusion_nft_sd3(model_dir: Path, seed: int, iterations: int, eval_every: i
             with guards.swapped_weights(params, ema):
                 entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1,
                                                   device, None)["eval/reward_mean"]
+        history.append(entry)
+    return history
+
+
+# ----------------------------------------------------------------------------------------------
+# MixGRPO and MixGRPO-Flash
+
+
+@dataclass(frozen=True)
+class MixGRPO:
+    """MixGRPO (Li et al. 2025, arXiv 2507.21802; github.com/Tencent-Hunyuan/MixGRPO) as its
+    scripts/finetune/finetune_flux_grpo_MixGRPO.sh runs fastvideo/train_grpo_flux.py (training_strategy part,
+    sample_strategy progressive, --init_same_noise, --flow_grpo_sampling, --prog_overlap, --roll_back), and
+    MixGRPO-Flash (finetune_flux_grpo_MixGRPO_Flash.sh: DPM-Solver++(2M) after the window, steps compressed)."""
+
+    noise_level: float = 0.7  # eta: Flow-GRPO's SDE inside the window
+    window: int = 4  # group_size: the SDE steps trained; ODE (Euler) steps outside
+    sampling_steps: int = 10  # 25 in the FLUX script; 10 here as the tiny runs sample (the issue's "4 of 10")
+    shift: float = 3.0  # the sigma schedule: sd3_time_shift(3, linspace(1, 0, steps + 1))
+    clip_range: float = 1e-4
+    adv_clip_max: float = 5.0
+    kl: float = 0.0  # kl_coeff: 0.5 (log p - log p_old)^2, off in the published scripts
+    updates_per_batch: int = 4  # 12 generations per GPU / gradient_accumulation_steps 3: four optimizer steps
+    weight_decay: float = 1e-4
+    iters_per_window: int = 25  # iters_per_group (20 for Flash); mixgrpo_sd3 scales it to the run (25 of 300)
+    flash: bool = False  # dpm_apply_strategy post: DPM-Solver++(2M) after the window ...
+    post_compress_ratio: float = 0.4  # ... on int(max(0.4 x the steps left, 1)) points of a new shifted grid
+
+
+def mixgrpo_schedule(steps: int, shift: float) -> list[float]:
+    """sd3_time_shift(shift, linspace(1, 0, steps + 1)): MixGRPO's sigma schedule (its own, not the pipeline's)."""
+    t = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    return (shift * t / (1 + (shift - 1) * t)).tolist()
+
+
+def mixgrpo_window(iteration: int, mix: MixGRPO, iters_per_window: int) -> list[int]:
+    """GRPOTrainingStates (progressive, overlap step 1, roll back): the window starts at step 0 and moves one step
+    every iters_per_window iterations up to max_timesteps = steps - 2, then rolls back to 0; it trains the steps
+    range(start, min(start + window, max_timesteps)), which is empty at start = max_timesteps, as in MixGRPO."""
+    last = mix.sampling_steps - 2
+    start = (iteration // iters_per_window) % (last + 1)
+    return list(range(start, min(start + mix.window, last)))
+
+
+def mixgrpo_grid(window: list[int], mix: MixGRPO) -> list[float]:
+    """The rollout's sigmas: MixGRPO's schedule; for Flash the steps after the window replaced by a shifted grid of
+    int(max((steps - last) x post_compress_ratio, 1)) points from the step after the window to 0."""
+    grid = mixgrpo_schedule(mix.sampling_steps, mix.shift)
+    if not mix.flash or not window:
+        return grid
+    last = window[-1]
+    points = int(max((mix.sampling_steps - last) * mix.post_compress_ratio, 1))
+    start = 1 - (last + 1) / mix.sampling_steps  # linspace(1, 0, steps + 1)[last + 1]
+    post = torch.linspace(start, 0, points, dtype=torch.float64)
+    return grid[:last + 1] + (mix.shift * post / (1 + (mix.shift - 1) * post)).tolist()
+
+
+def mixgrpo_rollout(velocity, z: torch.Tensor, cond, grid: list[float], window: list[int], mix: MixGRPO,
+                    generator) -> tuple[torch.Tensor, list]:
+    """One MixGRPO rollout: Flow-GRPO's SDE step (noise level eta, sigma capped at the grid's second point) on the
+    window's steps, Euler elsewhere; with Flash, DPM-Solver++(2M) after the window, continuing from the data
+    predictions of the steps before it (as MixGRPO's DPM state does). Returns the sample and the window's path
+    [(x_t, t, t_next, x_next, log p)]."""
+    path, x0_prev = [], None
+    with torch.no_grad():
+        for i, (t, t_next) in enumerate(zip(grid[:-1], grid[1:])):
+            v = velocity(z, torch.full((z.shape[0],), t, device=z.device), cond)
+            x0 = z - t * v
+            if i in window:
+                mean, _, std = sde_kernel(v, z, t, t_next, noise_level=mix.noise_level, t_cap=grid[1])
+                z_next = mean + std * torch.randn(z.shape, generator=generator).to(z.device)
+                path.append((z, t, t_next, z_next, gaussian_log_prob(z_next, mean, std)))
+            elif mix.flash and window and i > window[-1] and t_next > 0:
+                z_next = vgrpo.dpm_solver_step(z, x0, x0_prev, grid[i - 1], t, t_next)
+            else:
+                z_next = z + (t_next - t) * v
+            z, x0_prev = z_next, x0
+    return z, path
+
+
+def group_advantages_unbiased(rewards: torch.Tensor) -> torch.Tensor:
+    """MixGRPO's advantages (use_group): each group's rewards minus their mean over their std (torch.std, unbiased)
+    + 1e-8. (P, G) -> (P, G)."""
+    return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-8)
+
+
+def mixgrpo_update(velocity, path: list, cond, adv: torch.Tensor, optimizer, params: list, mix: MixGRPO, *,
+                   group_size: int, t_cap: float, max_grad_norm: float) -> int:
+    """MixGRPO's training phase on one rollout batch (G samples per group, group-major): updates_per_batch optimizer
+    steps, step j on the j-th part of every group's samples (its GPUs train their generations in order, three per
+    step); each averages over its samples and the window's steps max(-A r, -A clip(r, 1 -+ clip_range)) with
+    r = p_theta(x_next | x_t) / p_old and A clipped to +-adv_clip_max (+ kl 0.5 (log r)^2). Returns how many samples
+    were trained (each a forward and a backward per window step)."""
+    if not path:
+        return 0
+    adv = adv.clamp(-mix.adv_clip_max, mix.adv_clip_max)
+    groups = len(adv) // group_size
+    for part in torch.arange(group_size).chunk(mix.updates_per_batch):
+        rows = (torch.arange(groups)[:, None] * group_size + part[None]).flatten()
+        for x_t, t, t_next, x_next, old in path:
+            mean, _, std = sde_mean_std(velocity, x_t[rows], t, t_next, rows_of(cond, rows), noise_level=mix.noise_level,
+                                        t_cap=t_cap)
+            log_ratio = gaussian_log_prob(x_next[rows], mean, std) - old[rows]
+            ratio, a = log_ratio.exp(), adv[rows]
+            policy = torch.max(-a * ratio, -a * ratio.clamp(1 - mix.clip_range, 1 + mix.clip_range)).mean()
+            ((policy + mix.kl * 0.5 * log_ratio.pow(2).mean()) / len(path)).backward()
+        torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return len(adv)
+
+
+def mixgrpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, mix: MixGRPO = MixGRPO(),
+                flags=()) -> list[dict]:
+    """MixGRPO (mix.flash: MixGRPO-Flash) on train.py's adapter, prompts, rewards, LoRA, AdamW and evaluation: every
+    sample of a group from the same initial noise (--init_same_noise), SDE steps only in the sliding window,
+    advantages per group, updates_per_batch optimizer steps. The model sees the timestep int(1000 sigma) / 1000, as
+    MixGRPO passes it. The window moves every mix.iters_per_window x iterations / 300 iterations (the published
+    25 of max_train_steps 300: the same number of moves over a shorter run). History as vgrpo_sd3's."""
+    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
+    model = models.load_pipeline(cfg, "sd3", device, torch.float32)
+    models.make_trainable(model.transformer, cfg)
+    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=mix.weight_decay)
+    weights = rewards.parse_reward_spec(cfg.rewards)
+    reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
+    prompts = [Prompt(p, {}) for p in builders.TINY_PROMPTS]
+    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
+    iters_per_window = max(1, round(mix.iters_per_window * iterations / 300))
+
+    def velocity(x, t, cond):  # int(sigma * 1000) / 1000, as MixGRPO's transformer calls receive it
+        return model.velocity(x, torch.floor(t * 1000) / 1000, cond)
+
+    P, G = cfg.num_prompts, cfg.group_size
+    g = torch.Generator().manual_seed(seed)
+    history, counts, seconds = [], dict(grad_steps=0, nfe_fwd=0, nfe_bwd=0), 0.0
+    for it in range(iterations):
+        start = time.perf_counter()
+        batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
+        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+        noise = rollouts.initial_noise(cfg, model, "rollout", it, range(0, P * G, G), device).repeat_interleave(G, 0)
+        window = mixgrpo_window(it, mix, iters_per_window)
+        grid = mixgrpo_grid(window, mix)
+        x0, path = mixgrpo_rollout(velocity, noise, cond, grid, window, mix, g)
+        images = model.decode(x0)
+        scores = {n: fn(images, [p.text for p in batch], [p.metadata for p in batch]).float() for n, fn in reward_fns.items()}
+        reward = sum(w * scores[n] for n, w in weights.items())
+        adv = group_advantages_unbiased(reward.view(P, G)).flatten()
+        trained = mixgrpo_update(velocity, path, cond, adv, optimizer, params, mix, group_size=G, t_cap=grid[1],
+                                 max_grad_norm=cfg.max_grad_norm)
+        seconds += time.perf_counter() - start
+        counts["grad_steps"] += mix.updates_per_batch if trained else 0
+        counts["nfe_fwd"] += P * G * (len(grid) - 1) + trained * len(path)  # rollout; per window step a forward ...
+        counts["nfe_bwd"] += trained * len(path)  # ... and a backward
+        entry = dict(reward_mean=reward.mean().item(), eval=None, seconds=seconds, **counts,
+                     nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
+        if it % eval_every == 0 or it == iterations - 1:
+            entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
+                                              None)["eval/reward_mean"]
         history.append(entry)
     return history

@@ -46,8 +46,6 @@ def one_line_errors():
     try:
         yield
     except (UserError, KeyboardInterrupt) as error:
-        for sig in (signal.SIGTERM, signal.SIGINT):  # leaving already: a second signal (torchrun's agent sends one
-            signal.signal(sig, signal.SIG_IGN)  # when a rank dies) must not raise again from the interpreter's exit
         import torch.distributed as dist
 
         if dist.is_initialized():  # every rank raised it together (or was killed): leave gloo / nccl cleanly

@@ -294,22 +294,17 @@ NOT_SAVED = ("resume", "fresh")  # how this launch began, not settings of the ru
 def check_continuation(run_dir: str, saved: dict, given: dict) -> None:
     """A run directory is continued only by its own command (or --resume, which keeps its model and adapter)."""
     resumed = bool(given.get("resume"))
-    allowed = set(MAY_CHANGE_ON_CONTINUE) | (set(fields_of(Config)) - set(FIXED_ON_RESUME) if resumed else set())
+    allowed = set(MAY_CHANGE_ON_CONTINUE) | ({f.name for f in fields(Config)} - set(FIXED_ON_RESUME) if resumed else set())
     changed = [name for name, value in given.items() if name not in allowed and value != saved.get(name, value)]
     if not changed:
         return
     name = changed[0]
-    what = f"--{name} {given[name]} differs from the run's {saved[name]}"
     if resumed:
-        raise ConfigError(f"{what}: its checkpoint holds that model, adapter and EMA; drop --{name}, or start a new "
-                          "run (another --run_dir, or --fresh)")
+        raise ConfigError(f"--{name} {given[name]} differs from the resumed run's {saved[name]}: its checkpoint holds "
+                          f"that model, adapter and EMA; drop --{name}, or start a new run (another --run_dir, or --fresh)")
     differ = ", ".join(f"--{n} {given[n]} (the run's: {saved[n]})" for n in changed)
     raise ConfigError(f"--run_dir {run_dir} holds a run with other settings: {differ}. Continue it with these "
                       f"changes (--resume {run_dir}), start it over (--fresh), or choose another --run_dir")
-
-
-def fields_of(config_class) -> list[str]:
-    return [f.name for f in fields(config_class)]
 
 
 def _at_least(low: float):
@@ -477,7 +472,7 @@ class Run:
     start: int  # the first iteration to run: 0, or the one after the checkpoint a continued run resumes
     tracker: runs.Tracker
     bar: tqdm
-    stop: dict = field(default_factory=lambda: {"requested": False})  # set by SIGTERM / SIGINT
+    stop: dict = field(default_factory=lambda: {"requested": False, "peer_lost": False})  # SIGTERM / SIGINT
 
 
 @dataclass
@@ -535,7 +530,7 @@ def setup(cfg: Config, family: str) -> Run:
     ema = {n: p.detach().clone() for n, p in named} if cfg.ema_decay else {}  # float32, sharded like the weights
     torch.manual_seed(cfg.seed + rank)
     # A run directory with a checkpoint continues from it (the same command again, --resume, a restart).
-    continued = runs.checkpoint_iteration(run_dir) is not None
+    continued = (run_dir / "checkpoints" / "latest").is_file()  # load_checkpoint refuses a pointer that is not one
     start = checkpoint.load_checkpoint(run_dir, transformer, optimizer, rank, ema=ema) if continued else 0
 
     print0 = print if rank == 0 else (lambda *a, **k: None)
@@ -568,8 +563,10 @@ def setup(cfg: Config, family: str) -> Run:
 
 def stop_requested(run: Run, *_) -> None:
     """SIGTERM / SIGINT: finish the iteration, save, exit 0. The signal torchrun's agent sends when another rank
-    died is different: nothing can be saved without that rank, so this one stops at once (parallel.PeerLost)."""
-    if parallel.lost_ranks():
+    died is different: nothing can be saved without that rank, so this one stops at once (parallel.PeerLost), and
+    only once (a second signal may come while the interpreter exits)."""
+    if parallel.lost_ranks() and not run.stop["peer_lost"]:
+        run.stop["peer_lost"] = True
         raise parallel.PeerLost(parallel.lost_ranks(), run.dir)
     run.stop["requested"] = True
 

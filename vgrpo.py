@@ -98,13 +98,22 @@ def sample_ode(
             r = h / (2 * h_prev)  # variable-step AB2 weights
             z = z + h * ((1 + r) * v - r * v_prev)
         elif solver == "dpm2" and x0_prev is not None and t_next > 0:
-            step = log_snr(t_next) - log_snr(t_cur)
-            ratio = (log_snr(t_cur) - log_snr(grid[i - 1])) / step  # infinite after a step from t = 1
-            z = t_next / t_cur * z - (1 - t_next) * math.expm1(-step) * (x0 + 0.5 * (x0 - x0_prev) / ratio)
+            z = dpm_solver_step(z, x0, x0_prev, grid[i - 1], t_cur, t_next)
         else:
             z = z + h * v
         v_prev, h_prev, x0_prev = v, h, x0
     return z
+
+
+def dpm_solver_step(z: torch.Tensor, x0: torch.Tensor, x0_prev: torch.Tensor, t_prev: float, t_cur: float,
+                    t_next: float) -> torch.Tensor:
+    """One DPM-Solver++(2M) step from t_cur to t_next > 0 on the flow (the midpoint form): the data predictions x0 at
+    t_cur and x0_prev at t_prev, h = lambda(t_next) - lambda(t_cur), r = (lambda(t_cur) - lambda(t_prev)) / h,
+        z' = (t_next / t_cur) z - (1 - t_next) (e^-h - 1) (x0 + (x0 - x0_prev) / (2 r)),
+    first order (r infinite) after a step from t = 1."""
+    step = log_snr(t_next) - log_snr(t_cur)
+    ratio = (log_snr(t_cur) - log_snr(t_prev)) / step
+    return t_next / t_cur * z - (1 - t_next) * math.expm1(-step) * (x0 + 0.5 * (x0 - x0_prev) / ratio)
 
 
 def log_snr(t: float) -> float:

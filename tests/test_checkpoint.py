@@ -25,7 +25,7 @@ def test_resume_gives_the_same_parameters_and_prompts_as_a_straight_run(tiny_dir
     logged_not_saved = {**read_metrics(tmp_path / "resumed")[-1], "iteration": 2}  # a stop after logging iteration 2
     metrics_file.write_text(metrics_file.read_text() + json.dumps(logged_not_saved) + "\n")
     proc = run_train("--resume", tmp_path / "resumed", "--iterations", "4")
-    assert "resuming at iteration 2" in proc.stdout
+    assert f"continuing {tmp_path / 'resumed'} at iteration 2 of 4" in proc.stdout
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "resumed")
     assert [m["iteration"] for m in resumed] == [0, 1, 2, 3]
     assert [m["prompt_indices"] for m in resumed] == [m["prompt_indices"] for m in straight]
@@ -39,9 +39,9 @@ def test_resume_on_another_number_of_processes_reshards_and_trains_on(tiny_dirs,
     and theirs back in 1: the prompts are a straight run's and the weights agree to what 1 and 2 processes agree to."""
     shutil.copytree(sd3_straight, tmp_path / "straight")
     shutil.copytree(sd3_run, tmp_path / "mixed")  # 1 process, checkpoint at iteration 1
-    assert "resuming at iteration 2" in run_train("--resume", tmp_path / "mixed", "--iterations", "3", nproc=2).stdout
+    assert "at iteration 2 of 3" in run_train("--resume", tmp_path / "mixed", "--iterations", "3", nproc=2).stdout
     assert len(list((tmp_path / "mixed" / "checkpoints" / "iter-000002").glob("rng-rank*.pt"))) == 2
-    assert "resuming at iteration 3" in run_train("--resume", tmp_path / "mixed", "--iterations", "4").stdout
+    assert "at iteration 3 of 4" in run_train("--resume", tmp_path / "mixed", "--iterations", "4").stdout
     straight, mixed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "mixed")
     assert [m["prompt_indices"] for m in mixed] == [m["prompt_indices"] for m in straight]
     for kind in ("lora_B", "lora_A"):

@@ -118,7 +118,7 @@ def test_evaluate_at_real_width_in_bf16_scores_base_against_a_lora(real_dirs, tm
     assert json.loads((tmp_path / "e" / "eval.json").read_text())["settings"]["dtype"] == "bfloat16"
     base, lora = rows["base"]["scores"], rows[f"lora:{tmp_path / 'lora'}"]["scores"]
     assert all(math.isfinite(v) for s in (base, lora) for vs in s.values() for v in vs)
-    assert base["jpeg_compressibility"] != lora["jpeg_compressibility"]
+    assert base["color"] != lora["color"]  # a mean of pixels: any change moves it (a 32 px JPEG's size may not)
 
 
 @pytest.mark.parametrize("argv,message", [

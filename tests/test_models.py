@@ -135,7 +135,7 @@ def test_lora_targets_that_match_no_layer_stop_before_training(tiny_dirs, tmp_pa
     monkeypatch.setattr(vgrpo, "vgrpo_update", lambda *a, **k: pytest.fail("training started"))
     for targets in ("nope", "to_q,to_qq"):
         message = one_line_stop(train.main, ["--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl",
-                                             "--run_dir", tmp_path, *SMALL_RUN, "--lora_targets", targets], capsys)
+                                             "--run_dir", tmp_path / targets, *SMALL_RUN, "--lora_targets", targets], capsys)
         bad = targets.split(",")[-1]
         assert message.startswith(f"error: --lora_targets: {bad} match no Linear layer of the SD3Transformer2DModel; "
                                   "its Linear layers end in ") and "to_out.0" in message

@@ -138,7 +138,7 @@ def test_new_family_trains_with_cfg_under_fsdp2_resumes_and_exports_exactly(fami
         assert Image.open(tmp_path / "one" / "samples" / "iter-000001.webp").n_frames == 5
     run_train(*common, "--run_dir", tmp_path / "straight", "--iterations", "3")
     shutil.copytree(tmp_path / "one", tmp_path / "resumed")  # checkpoint at iteration 1
-    assert "resuming at iteration 2" in run_train("--resume", tmp_path / "resumed", "--iterations", "3").stdout
+    assert "at iteration 2 of 3" in run_train("--resume", tmp_path / "resumed", "--iterations", "3").stdout
     assert [m["prompt_indices"] for m in read_metrics(tmp_path / "resumed")] == [
         m["prompt_indices"] for m in read_metrics(tmp_path / "straight")]
     for k, v in lora_weights(tmp_path / "straight").items():

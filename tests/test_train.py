@@ -78,15 +78,19 @@ def test_default_run_from_the_readme_raises_the_reward(tmp_path):
     after +0.040 at iteration 10: the eval noise of 8 samples."""
     output = run_on_a_terminal([sys.executable, str(ROOT / "train.py"), "--run_dir", str(tmp_path)])
     assert "iteration | reward_mean" in output
-    # The first minute and the last screen, as on a terminal: a progress bar for the tiny fit, the iterations and each
-    # evaluation, no warning a user cannot act on, and a closing summary naming the files to open next.
-    for bar in ("fitting the tiny model to toy images", "V-GRPO", "evaluating"):
+    # The first minute and the last screen, as on a terminal: a progress bar for the iterations and each evaluation, no
+    # warning a user cannot act on, and a closing summary naming the files to open next.
+    for bar in ("V-GRPO", "evaluating"):
         assert bar in output, output[-2000:]
     assert not re.search(r"warn|deprecat", output, re.IGNORECASE), output[-3000:]
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     for line in (f"done: {tmp_path}", "samples  ", "curves   ", "export   ", f"python evaluate.py --runs {tmp_path}"):
         assert line in output, output[-2000:]
     metrics = read_metrics(tmp_path)
+    # The same first numbers on every machine: the fitted base is the committed file (builders.FITTED; a base fitted
+    # here with 1 or 2 threads started at 0.5708 or 0.5625), so iteration 0 samples and scores the same images; what
+    # is left is float rounding across CPUs, 1e-6 of the reward.
+    assert metrics[0]["reward_mean"] == pytest.approx(0.56613, abs=5e-5), metrics[0]["reward_mean"]
     evals = [m["eval/reward_mean"] for m in metrics if "eval/reward_mean" in m]
     assert len(evals) == 5 and np.mean(evals[-3:]) > evals[0] + 0.015, evals  # 2.3 std below the mean gain
     records = json.loads((tmp_path / "samples" / "iter-000000.json").read_text())  # the bounds hold for 128 samples only
