@@ -190,7 +190,7 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
 
     P, G, trained_steps = cfg.num_prompts, cfg.group_size, int(steps * fg.timestep_fraction)
     g = torch.Generator().manual_seed(seed)
-    history, nfe, seconds = [], 0, 0.0
+    history, counts, seconds = [], dict(grad_steps=0, nfe_fwd=0, nfe_bwd=0), 0.0
     for it in range(iterations):
         start = time.perf_counter()
         batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
@@ -204,8 +204,11 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
         n = flow_grpo_update(model.velocity, reference, path, cond, adv, optimizer, params, fg, t_cap=grid[1],
                              max_grad_norm=cfg.max_grad_norm, generator=g)
         seconds += time.perf_counter() - start
-        nfe += P * G * steps + 3 * n * trained_steps  # rollout; per trained step a forward, a backward, a reference forward
-        entry = dict(reward_mean=reward.mean().item(), eval=None, nfe=nfe, seconds=seconds)
+        counts["grad_steps"] += fg.updates_per_batch if n else 0
+        counts["nfe_fwd"] += P * G * steps + 2 * n * trained_steps  # rollout; per trained step the policy's and the
+        counts["nfe_bwd"] += n * trained_steps  # reference's forwards, and the policy's backward
+        entry = dict(reward_mean=reward.mean().item(), eval=None, seconds=seconds, **counts,
+                     nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
         if it % eval_every == 0 or it == iterations - 1:
             entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
                                               None)["eval/reward_mean"]

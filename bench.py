@@ -38,6 +38,11 @@
    be gamed (JPEG incompressibility) with a held-out one monitored (the colour the prompt names), without a guard,
    with the reference KL at two weights, with EMA and with both: trained against held-out reward, drift from the
    base, and whether the hacking rule warned.
+11. Against the paper's peers (`--sections 11 [--jobs 2]`, hours on 2 cores; an interrupted run continues from its
+   cache): train.py's tiny preset, DiffusionNFT, MixGRPO, MixGRPO-Flash and Flow-GRPO (baselines.py, each validated
+   against its own code) on the committed tiny SD3 bases, two tasks (colour; colour and JPEG size at once), each method
+   at its best learning rate of a sweep: optimizer steps, forward and backward model evaluations and seconds to each
+   eval gain, median and range over bases x seeds, and each peer against V-GRPO run by run.
 
 Plots need matplotlib (`pip install matplotlib`); without it the tables are still written.
 The toy settings are vgrpo.ToyConfig's defaults, chosen in section 8 for stability and speed (lr 3e-3, x-space KL 0.3).
@@ -68,6 +73,7 @@ import memory
 import models
 import parallel
 import rollouts
+import runs
 import train
 import vgrpo
 
@@ -372,19 +378,23 @@ SD3_THRESHOLDS = (0.60, 0.61, 0.62)  # eval reward (color) on 32 prompts x 4 fix
 
 
 def vgrpo_sd3(model_dir: Path, run_dir: Path, seed: int, iterations: int, eval_every: int, flags=()) -> list[dict]:
-    """train.py itself (tiny preset) on a saved pipeline; per iteration the eval reward where evaluated, and the model
-    evaluations (forward + backward) and training seconds (evaluations excluded) so far."""
+    """train.py itself (tiny preset) on a saved pipeline; per iteration the eval reward where evaluated, and so far:
+    optimizer steps, model evaluations without gradient (rollout steps, the old-policy pass, the reference's and the
+    gradient passes' forwards) and with (backwards), and training seconds (evaluations excluded)."""
     subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), "--model", str(model_dir), "--seed",
                     str(seed), "--prompts", str(model_dir / "prompts.txt"), "--iterations", str(iterations),
                     "--eval_every", str(eval_every), "--run_dir", str(run_dir), *flags],
                    check=True, capture_output=True)
     cfg = json.loads((run_dir / "config.json").read_text())
-    history, nfe, seconds = [], 0, 0.0
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        m = json.loads(line)
-        nfe += cfg["num_prompts"] * cfg["group_size"] * (m["nfe_rollout"] + m["nfe_old"] + 2 * m["nfe_grad"])
+    samples = cfg["num_prompts"] * cfg["group_size"]
+    history, counts, seconds = [], dict(grad_steps=0, nfe_fwd=0.0, nfe_bwd=0.0), 0.0
+    for m in runs.read_metrics(run_dir):
+        counts["grad_steps"] += cfg["num_grad_steps"] - int(m["skipped_steps"])
+        counts["nfe_fwd"] += samples * (m["nfe_rollout"] + m["nfe_old"] + m["nfe_ref"] + m["nfe_grad"])
+        counts["nfe_bwd"] += samples * m["nfe_grad"]
         seconds += m["time_rollout"] + m["time_reward"] + m["time_update"]
-        history.append(dict(reward_mean=m["reward_mean"], eval=m.get("eval/reward_mean"), nfe=nfe, seconds=seconds))
+        history.append(dict(reward_mean=m["reward_mean"], eval=m.get("eval/reward_mean"), seconds=seconds, **counts,
+                            nfe=counts["nfe_fwd"] + counts["nfe_bwd"]))
     return history
 
 
@@ -451,6 +461,165 @@ def sd3_stability_report(runs: dict, out: Path, *, seeds, iterations: dict, eval
                             "median seconds", "fall-back median / max", "seeds falling back > 0.01"], rows)
             + "\n\n" + "\n\n".join(summary))
     return text, {"curves": curves, "histories": {n: {str(lr): hs for lr, hs in by_lr.items()} for n, by_lr in runs.items()}}
+
+
+# ----------------------------------------------------------------------------------------------
+# 11. Against the paper's peers, on tiny bases every machine shares
+
+PEER_METHODS = {  # name -> (runner, its options): each peer as baselines.py writes it from its published algorithm
+    "V-GRPO": ("vgrpo", {}),  # train.py's tiny preset
+    "DiffusionNFT": ("nft", {}),
+    "MixGRPO": ("mix", {}),
+    "MixGRPO-Flash": ("mix", {"flash": True, "iters_per_window": 20}),
+    MDP: ("flow", {}),
+}
+# Fixed before any run (issue 37): the colour reward, and the colour with the JPEG size at once (advantages per reward
+# summed, as the paper's multi-reward stages and MixGRPO aggregate) as the task with headroom.
+PEER_TASKS = {"color": "color:1", "color+jpeg": "color:1,jpeg_compressibility:1"}
+PEER_GAINS = {"color": (0.02, 0.04, 0.06), "color+jpeg": (0.05, 0.1, 0.2)}  # eval gains over each base's first eval
+PEER_BASES = tuple(sorted(seed for family, seed, _ in builders.FITTED if family == "sd3"))  # the committed fits
+PEER_LRS = (1e-3, 3e-3)  # the sweep: each method's best on base 0, sweep seeds
+PEER_SWEEP_SEEDS = (0, 1, 2)
+PEER_ITERATIONS = 40
+
+
+def peer_base(root: Path, base: int) -> Path:
+    """The committed tiny SD3 base of fit seed `base`, saved with its built-in prompts (train.py's)."""
+    path = root / f"base-{base}"
+    if not (path / "prompts.txt").is_file():
+        builders.tiny_pipeline("sd3", seed=base, fit_steps=250).save_pretrained(path)
+        (path / "prompts.txt").write_text("\n".join(builders.TINY_PROMPTS) + "\n")
+    return path
+
+
+def peer_history(method: str, task: str, base: int, seed: int, lr: float, *, iterations: int, eval_every: int,
+                 root: Path) -> list[dict]:
+    """One run of `method` on the base, task, seed and learning rate, in this process (V-GRPO: train.py's)."""
+    model_dir, (kind, options) = peer_base(root, base), PEER_METHODS[method]
+    flags = ("--rewards", PEER_TASKS[task], "--lr", f"{lr:g}")
+    if kind == "vgrpo":
+        with tempfile.TemporaryDirectory() as run_dir:
+            return vgrpo_sd3(model_dir, Path(run_dir) / "run", seed, iterations, eval_every, flags)
+    run = {"nft": partial(baselines.diffusion_nft_sd3, nft=baselines.DiffusionNFT(**options)),
+           "mix": partial(baselines.mixgrpo_sd3, mix=baselines.MixGRPO(**options)),
+           "flow": baselines.flow_grpo_sd3}[kind]
+    return run(model_dir, seed, iterations, eval_every, flags=flags)
+
+
+def peer_runs(keys: list[tuple], *, cache: Path, root: Path, jobs: int, iterations: int, eval_every: int) -> dict:
+    """{key: history} for keys (method, task, base, seed, lr): each run in a subprocess of its own, `jobs` at a time
+    with the cores shared out (OMP_NUM_THREADS), its history kept in cache as JSON so that an interrupted section
+    continues where it stopped."""
+    def path(key):
+        return cache / ("_".join(str(k) for k in key).replace(" ", "") + f"_{iterations}.json")
+
+    missing = [k for k in dict.fromkeys(keys) if not path(k).is_file()]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // jobs))}
+    running: list[tuple[tuple, subprocess.Popen]] = []
+    while missing or running:
+        while missing and len(running) < jobs:
+            key = missing.pop(0)
+            command = [sys.executable, __file__, "--peer-run", json.dumps([*key, iterations, eval_every, str(root),
+                                                                           str(path(key))])]
+            running.append((key, subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                                  text=True)))
+        time.sleep(1)
+        for key, proc in list(running):
+            if proc.poll() is not None:
+                running.remove((key, proc))
+                if proc.returncode:
+                    raise RuntimeError(f"{key} failed: {proc.stderr.read()[-3000:]}")
+                print(f"peer run {key}: done", flush=True)
+    return {k: json.loads(path(k).read_text()) for k in keys}
+
+
+def gain_cost(history: list[dict], gain: float) -> dict | None:
+    """The first evaluated iteration whose eval is `gain` above the first evaluation: iterations, optimizer steps,
+    forward and backward model evaluations and seconds to it (None: never)."""
+    first = next(h["eval"] for h in history if h["eval"] is not None)
+    return next((dict(iterations=i + 1, grad_steps=h["grad_steps"], nfe_fwd=h["nfe_fwd"], nfe_bwd=h["nfe_bwd"],
+                      nfe=h["nfe"], seconds=h["seconds"])
+                 for i, h in enumerate(history) if h["eval"] is not None and h["eval"] >= first + gain), None)
+
+
+def section_peers(out: Path, *, tasks=tuple(PEER_TASKS), methods=tuple(PEER_METHODS), bases=PEER_BASES, seeds=SEEDS,
+                  lrs=PEER_LRS, sweep_seeds=PEER_SWEEP_SEEDS, iterations: int = PEER_ITERATIONS, eval_every: int = 5,
+                  jobs: int = 2, cache: Path | None = None) -> tuple[str, dict]:
+    """Every method on the committed bases: a learning-rate sweep on base 0 (sweep_seeds) picks each method's best lr
+    per task (fewest median optimizer steps to the middle gain among the lrs every sweep seed reaches it at), then
+    every base x seed at that lr."""
+    root = Path(tempfile.mkdtemp())
+    cache = cache or Path(tempfile.gettempdir()) / "vgrpo-bench-peers"
+    cache.mkdir(parents=True, exist_ok=True)
+    run = partial(peer_runs, cache=cache, root=root, jobs=jobs, iterations=iterations, eval_every=eval_every)
+    sweep = run([(m, task, bases[0], s, lr) for task in tasks for m in methods for lr in lrs for s in sweep_seeds])
+    best = {}
+    for task in tasks:
+        middle = PEER_GAINS[task][1]
+        for m in methods:
+            costs = {lr: [gain_cost(sweep[m, task, bases[0], s, lr], middle) for s in sweep_seeds] for lr in lrs}
+            full = {lr: np.median([c["grad_steps"] for c in cs]) for lr, cs in costs.items() if None not in cs}
+            best[m, task] = min(full, key=full.get) if full else max(lrs, key=lambda lr: sum(c is not None for c in costs[lr]))
+    main = run([(m, task, b, s, best[m, task]) for task in tasks for m in methods for b in bases for s in seeds])
+    return peers_report(main, best, out, tasks=tasks, methods=methods, bases=bases, seeds=seeds, lrs=lrs,
+                        iterations=iterations, eval_every=eval_every), {
+        "best_lr": {f"{m} / {task}": lr for (m, task), lr in best.items()},
+        "sweep": {" / ".join(map(str, k)): h for k, h in sweep.items()},
+        "runs": {" / ".join(map(str, k)): h for k, h in main.items()}}
+
+
+def spread(values) -> str:
+    """Median with the range: 'median (min-max)'."""
+    values = np.asarray(values, dtype=float)
+    return f"{np.median(values):.3g} ({values.min():.3g}-{values.max():.3g})"
+
+
+def peers_report(main: dict, best: dict, out: Path, *, tasks, methods, bases, seeds, lrs, iterations: int,
+                 eval_every: int) -> str:
+    """Section 11's tables: per task, each method at its best lr over bases x seeds: runs reaching each gain, median
+    optimizer steps, forward and backward model evaluations and seconds to it; then each peer against V-GRPO per
+    (base, seed) where both reach the gain (peer / V-GRPO), and the fall-back after the best evaluation."""
+    parts = []
+    for task in tasks:
+        rows, ratios = [], []
+        for m in methods:
+            histories = [main[m, task, b, s, best[m, task]] for b in bases for s in seeds]
+            falls = [fall_back(h) for h in histories]
+            for gain in PEER_GAINS[task]:
+                costs = [c for c in (gain_cost(h, gain) for h in histories) if c is not None]
+                cells = ([spread([c[k] for c in costs]) for k in ("grad_steps", "nfe_fwd", "nfe_bwd", "seconds")]
+                         if costs else ["-"] * 4)
+                rows.append([m, f"{best[m, task]:g}", f"+{gain:g}", f"{len(costs)} of {len(histories)}", *cells,
+                             f"{np.median(falls):.3f} / {max(falls):.3f} ({sum(f > 0.01 for f in falls)})"])
+        for m in methods[1:]:
+            for gain in PEER_GAINS[task]:
+                pairs = [(gain_cost(main[methods[0], task, b, s, best[methods[0], task]], gain),
+                          gain_cost(main[m, task, b, s, best[m, task]], gain)) for b in bases for s in seeds]
+                pairs = [(ours, theirs) for ours, theirs in pairs if ours and theirs]
+                cells = ([spread([theirs[k] / ours[k] for ours, theirs in pairs])
+                          for k in ("grad_steps", "nfe", "seconds")] if pairs else ["-"] * 3)
+                ratios.append([f"{m} / {methods[0]}", f"+{gain:g}", f"{len(pairs)} of {len(bases) * len(seeds)}", *cells])
+        curves = {m: np.mean([[h["eval"] - next(x["eval"] for x in hs if x["eval"] is not None) for h in hs
+                               if h["eval"] is not None]
+                              for hs in [main[m, task, b, s, best[m, task]] for b in bases for s in seeds]], 0)
+                  for m in methods}
+        plot(out / f"peers_{task.replace('+', '_')}.png", curves, every=eval_every,
+             title=f"tiny SD3, {task}: mean eval gain over {len(bases)} bases x {len(seeds)} seeds", ylabel="eval gain")
+        parts.append(f"### Task {task} (--rewards {PEER_TASKS[task]})\n\n"
+                     + table(["method", "best lr", "eval gain", "runs reaching it", "optimizer steps", "forward NFE",
+                              "backward NFE", "seconds", "fall-back median / max (> 0.01)"], rows)
+                     + "\n\nAgainst V-GRPO, per base and seed where both reach the gain (peer / V-GRPO; median and range):"
+                     + "\n\n" + table(["methods", "eval gain", "pairs", "optimizer steps", "model evaluations",
+                                         "seconds"], ratios))
+    return (f"The committed tiny SD3 bases {', '.join(map(str, bases))} (builders.FITTED: the same on every machine), "
+            f"8 prompts x 8 samples per iteration, {iterations} iterations, LoRA r 32 alpha 64, AdamW; seeds "
+            f"{seeds[0]}-{seeds[-1]} on every base; each method at its best lr of {', '.join(f'{lr:g}' for lr in lrs)} "
+            f"(a sweep on base {bases[0]}). Evaluated by rollouts.evaluate every {eval_every} iterations on 32 prompts x 4 "
+            "fixed noises (8-step Euler); DiffusionNFT evaluates its EMA, as it does. Gains are over each run's first "
+            "evaluation. Cells: median (range) over the runs reaching the gain. Forward NFE: rollout steps, old-policy, "
+            "reference and gradient passes' forwards; backward NFE: the backwards. V-GRPO: train.py's tiny preset; "
+            "DiffusionNFT, MixGRPO (-Flash) and Flow-GRPO: baselines.py, written from their published algorithms and "
+            "validated against their own code (docs/benchmarks.md).\n\n" + "\n\n".join(parts))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1015,10 +1184,17 @@ def main() -> None:
     parser.add_argument("--out", default="results", help="output directory")
     parser.add_argument("--reduced", action="store_true",
                         help="section 6 on real-width, reduced-depth pipelines with random weights (no hub)")
+    parser.add_argument("--jobs", type=int, default=2, help="section 11: runs at a time (each with its share of the cores)")
+    parser.add_argument("--peer-run", help=argparse.SUPPRESS)  # section 11's worker: one run, its history to a file
     args = parser.parse_args()
+    if args.peer_run:
+        method, task, base, seed, lr, iterations, eval_every, root, path = json.loads(args.peer_run)
+        history = peer_history(method, task, base, seed, lr, iterations=iterations, eval_every=eval_every, root=Path(root))
+        Path(path).write_text(json.dumps(history))
+        return
     sections = {int(s) for s in args.sections.split(",") if s.strip().isdigit()}
-    if not sections or len(sections) != len(args.sections.split(",")) or not sections <= set(range(1, 11)):
-        parser.error(f"--sections {args.sections!r}: comma-separated section numbers from 1 to 10")
+    if not sections or len(sections) != len(args.sections.split(",")) or not sections <= set(range(1, 12)):
+        parser.error(f"--sections {args.sections!r}: comma-separated section numbers from 1 to 11")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -1034,6 +1210,8 @@ def main() -> None:
         8: ("8. Stability: learning rate against the gradient-step controls", lambda: section_stability(toy_model, out)),
         9: ("9. Stability on the tiny SD3 pipeline: V-GRPO against Flow-GRPO", lambda: section_sd3_stability(out)),
         10: ("10. Reward hacking and the guards against it", lambda: section_hacking(out)),
+        11: ("11. V-GRPO against DiffusionNFT, MixGRPO and Flow-GRPO on shared bases",
+             lambda: section_peers(out, jobs=args.jobs)),
         5: ("5. GPU throughput at the paper's model sizes", section_gpu),
         6: ("6. The real-model path on real checkpoints", lambda: section_real_models(
             reduced_checkpoints(Path(tempfile.mkdtemp())) if args.reduced else REAL_MODELS)),

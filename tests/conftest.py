@@ -3,13 +3,27 @@ pipelines, a tiny CLIP. Each is built once per session; under pytest-xdist the w
 """
 
 import json
+import os
 
 import pytest
 import torch
 
 import adapters
+import bf16_matmul
 import builders
 from helpers import SAVED_REAL, SMALL_RUN, built_once, run_train
+
+
+@pytest.fixture
+def bf16_matmul_fast(monkeypatch):
+    """bf16 products through the float32 kernel, in this process and in the Python processes the test starts, where
+    torch's bf16 kernel is the slow reference loop (bf16_matmul.py)."""
+    if not bf16_matmul.needed():
+        yield
+        return
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(bf16_matmul.SITE), os.environ.get("PYTHONPATH")])))
+    with bf16_matmul.Float32Products():
+        yield
 
 
 @pytest.fixture(scope="session")

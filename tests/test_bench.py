@@ -14,14 +14,18 @@ from helpers import IMAGE_FAMILIES
 
 def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evaluation(tmp_path):
     """Section 9's code path at 2 iterations, random tiny SD3: train.py and flow_grpo_sd3 start from the same weights
-    and evaluation (equal first evaluation up to one update), and each counts its own model evaluations per iteration:
-    64 samples x (8 ODE steps + K = 8 forwards and 8 backwards + 4 old-policy forwards: the tiny preset's second
-    mini-batch) against 64 x (10 SDE steps + 9 trained steps x (forward, backward, reference forward))."""
+    and evaluation (equal first evaluation up to one update), and each counts its own optimizer steps and model
+    evaluations per iteration: 2 steps and 64 samples x (8 ODE steps + K = 8 forwards and 8 backwards + 4 old-policy
+    forwards: the tiny preset's second mini-batch + 0.5: the reference pass that logs ref_kl on one micro-batch of 4
+    samples x K = 8) against 2 steps and 64 x (10 SDE steps + 9 trained steps x (forward, backward, reference
+    forward))."""
     text, data = bench.section_sd3_stability(tmp_path, seeds=(0,), lrs={"V-GRPO": (1e-3,), bench.MDP: (1e-3,)},
                                              iterations={"V-GRPO": 2, bench.MDP: 2}, eval_every=1, fit_steps=0,
                                              flags=("--eval_samples", "8"))
     ours, base = data["histories"]["V-GRPO"]["0.001"][0], data["histories"][bench.MDP]["0.001"][0]
-    assert [h["nfe"] for h in ours] == [64 * 28, 2 * 64 * 28] and [h["nfe"] for h in base] == [64 * 37, 2 * 64 * 37]
+    assert [(h["grad_steps"], h["nfe_fwd"], h["nfe_bwd"]) for h in ours] == [(2, 64 * 20.5, 64 * 8), (4, 2 * 64 * 20.5, 2 * 64 * 8)]
+    assert [(h["grad_steps"], h["nfe_fwd"], h["nfe_bwd"]) for h in base] == [(2, 64 * 28, 64 * 9), (4, 2 * 64 * 28, 2 * 64 * 9)]
+    assert [h["nfe"] for h in ours] == [64 * 28.5, 2 * 64 * 28.5] and [h["nfe"] for h in base] == [64 * 37, 2 * 64 * 37]
     assert all(h["eval"] is not None and h["seconds"] > 0 for h in ours + base)
     assert abs(ours[0]["eval"] - base[0]["eval"]) < 1e-3
     assert text.count("\n| V-GRPO | 0.001 |") == len(bench.SD3_THRESHOLDS) == text.count(f"\n| {bench.MDP} | 0.001 |")
@@ -105,3 +109,30 @@ def test_bench_scale_section_counts_the_old_pass_rows_it_saves():
     saving = bench.old_pass_saving(model, model.encode(["a red car"]), samples=8, num_grad_steps=2, repeats=1)
     assert saving["rows_per_sample"] == {"before": {"grad": 4, "no_grad": 4}, "after": {"grad": 4, "no_grad": 2}}
     assert saving["before_s"] > 0 and saving["after_s"] > 0
+
+
+def test_peers_section_takes_each_methods_best_lr_and_compares_run_by_run(tmp_path, monkeypatch):
+    """Section 11 on made-up histories: the eval climbs `rate` per optimizer step from 0.5 (a method's rate at each lr;
+    V-GRPO's fastest lr misses the gain on one sweep seed, so its slower one is taken); the tables count the runs
+    reaching each gain and give the peer's cost over V-GRPO's per base and seed."""
+    rates = {("V-GRPO", 1e-3): 0.01, ("V-GRPO", 3e-3): 0.03, ("DiffusionNFT", 1e-3): 0.005, ("DiffusionNFT", 3e-3): 0.002}
+
+    def history(method, task, base, seed, lr):
+        rate = 0.0 if (method, lr, seed) == ("V-GRPO", 3e-3, 1) else rates[method, lr]
+        return [dict(eval=0.5 + rate * 2 * i, grad_steps=2 * i, nfe_fwd=100 * i, nfe_bwd=40 * i, nfe=140 * i,
+                     seconds=1.5 * i, reward_mean=0.5) for i in range(12)]
+
+    def peer_runs(keys, **_):
+        return {key: history(*key) for key in keys}
+
+    monkeypatch.setattr(bench, "peer_runs", peer_runs)
+    monkeypatch.setattr(bench, "PEER_GAINS", {"color": (0.02, 0.04, 0.2)})
+    text, data = bench.section_peers(tmp_path, tasks=("color",), methods=("V-GRPO", "DiffusionNFT"), bases=(0, 1),
+                                     seeds=(0, 1), lrs=(1e-3, 3e-3), sweep_seeds=(0, 1))
+    assert data["best_lr"] == {"V-GRPO / color": 1e-3, "DiffusionNFT / color": 1e-3}
+    # V-GRPO reaches +0.04 at step 4 (i = 2), DiffusionNFT at step 8 (i = 4); +0.2 only V-GRPO (i = 10)
+    assert "\n| V-GRPO | 0.001 | +0.04 | 4 of 4 | 4 (4-4) | 200 (200-200) | 80 (80-80) | 3 (3-3) |" in text
+    assert "\n| DiffusionNFT | 0.001 | +0.04 | 4 of 4 | 8 (8-8) | 400 (400-400) | 160 (160-160) | 6 (6-6) |" in text
+    assert "\n| DiffusionNFT | 0.001 | +0.2 | 0 of 4 | - | - | - | - |" in text
+    assert "\n| DiffusionNFT / V-GRPO | +0.04 | 4 of 4 | 2 (2-2) | 2 (2-2) | 2 (2-2) |" in text
+    assert "\n| DiffusionNFT / V-GRPO | +0.2 | 0 of 4 | - | - | - |" in text

@@ -97,7 +97,7 @@ def test_evaluate_reports_genevals_accuracy_per_task(sd3_run, tmp_path):
     assert "geneval accuracy per task" in (tmp_path / "g" / "table.md").read_text()
 
 
-def test_evaluate_at_real_width_in_bf16_scores_base_against_a_lora(real_dirs, tmp_path):
+def test_evaluate_at_real_width_in_bf16_scores_base_against_a_lora(real_dirs, tmp_path, bf16_matmul_fast):
     """SD3.5-Medium's real widths, 2 blocks, bf16 compute: one prompt, the base and an exported LoRA whose B
     matrices were moved away from zero, so their samples must differ."""
     model = models.load_pipeline(train.Config(model=str(real_dirs / "sd3.5-medium"), lora_alpha=64),

@@ -102,7 +102,8 @@ def assert_float32_master_step(params, before, grads, optimizer, frozen_modules,
 
 @pytest.mark.parametrize("name,extra", [("flux.1-dev", ()), ("qwen-image", ()), ("flux.2-klein-4b", ()),
                                         ("wan2.1-t2v-1.3b", ("--num_frames", "5"))])
-def test_bf16_lora_training_keeps_float32_master_weights_and_matches_an_fp32_step(name, extra, real_dirs):
+def test_bf16_lora_training_keeps_float32_master_weights_and_matches_an_fp32_step(name, extra, real_dirs,
+                                                                                   bf16_matmul_fast):
     """Real width (FLUX.1-dev, Qwen-Image, FLUX.2 [klein] 4B, Wan2.1-1.3B on 5-frame videos), LoRA: bf16 compute,
     fp32 storage; the gradient agrees with an fp32-compute step to bf16 compute error (the realised update, checked
     exactly against AdamW, carries no bf16 storage error)."""
@@ -122,7 +123,7 @@ def test_bf16_lora_training_keeps_float32_master_weights_and_matches_an_fp32_ste
     assert ((g16 - g32).norm() / g32.norm()).item() < 0.6
 
 
-def test_bf16_full_finetuning_keeps_float32_master_weights(real_dirs):
+def test_bf16_full_finetuning_keeps_float32_master_weights(real_dirs, bf16_matmul_fast):
     """SD3.5-Medium width, every transformer weight trained: fp32 weights, gradients and AdamW states."""
     model, params, before, grads, optimizer = one_bf16_step(real_dirs / "sd3.5-medium", "sd3", torch.bfloat16,
                                                             "--lora_rank", "0")

@@ -156,7 +156,8 @@ def checkpoint_dtypes(run_dir):
 
 
 @pytest.mark.parametrize("name,extra", [("flux.1-dev", ()), ("qwen-image", ("--cfg_scale", "4", "--sampling_steps", "2"))])
-def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(name, extra, real_dirs, tmp_path):
+def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(name, extra, real_dirs, tmp_path,
+                                                                               bf16_matmul_fast):
     """FLUX.1-dev and Qwen-Image (true CFG in the rollouts, a text mask, rotary tables that are plain tensors, a
     LoRA weight that never gets a gradient) at real width, 2 processes, FSDP2 with bf16 compute: the sharded LoRA
     and AdamW states are float32, and the LoRA gathered from the shards loads into diffusers with the trained
