@@ -95,7 +95,13 @@ def stop_if_a_peer_dies(run_dir: Path):
 
 
 class PeerLost(RunStopped):
+    """Raised once per process: by stop_if_a_peer_dies (a failed collective) or by the signal torchrun's agent sends
+    (train.stop_requested), whichever comes first. A second one would come as a traceback from wherever the
+    interpreter is as it exits (the agent's SIGTERM lands during the atexit finalizers)."""
+    raised = False
+
     def __init__(self, lost: list[int], run_dir: Path):
+        PeerLost.raised = True
         latest = Path(run_dir) / "checkpoints" / "latest"
         kept = (f"the last checkpoint, {latest.read_text()}, is intact and the same command continues from it"
                 if latest.is_file() else "no checkpoint was written yet: the same command starts the run again")

@@ -8,24 +8,34 @@
     NAME or NAME:SPLIT   a named set below; SPLIT is train or test. train.py trains on NAME:train and evaluates on
                          NAME:test; evaluate.py uses NAME:test
 
-| set         | train                           | test                                        | from                     |
-| ----------- | ------------------------------- | ------------------------------------------- | ------------------------ |
-| `ocr`       | 20,000 generated                | 1,000 generated, texts unseen in train      | this file                |
-| `geneval`   | GenEval's six tasks, generated  | GenEval's 553 evaluation prompts, exactly   | this file (GenEval's     |
-|             | with seed 0, test removed       |                                             | create_prompts algorithm)|
-| `pickapic`  | unique captions of Pick-a-Pic   | its 500 test_unique captions                | hub, pyarrow needed      |
-|             | v1's train split minus test     |                                             |                          |
-| `hpdv2`     | unique prompts of HPDv2 train   | the 400 prompts of HPDv2 test               | hub                      |
-| `drawbench` | none (an evaluation set)        | the 200 DrawBench prompts                   | hub (HPDv2's copy)       |
+| set                 | train                              | test                              | from                 |
+| ------------------- | ---------------------------------- | --------------------------------- | -------------------- |
+| `ocr`               | Flow-GRPO's dataset/ocr/train.txt  | its test.txt, 1,018 prompts       | Flow-GRPO's files,   |
+| `pickscore`         | its pickscore/train.txt, 25,432    | its test.txt, 2,048 prompts       | pinned (FLOW_GRPO):  |
+| `geneval`           | its geneval/train_metadata.jsonl   | its test_metadata.jsonl: GenEval's| the paper's stages   |
+|                     |                                    | 553 prompts, 4 times each         |                      |
+| `ocr-templates`     | 20,000 generated                   | 1,000 generated, texts unseen in  | this file            |
+|                     |                                    | train                             |                      |
+| `geneval-generated` | GenEval's six tasks, generated     | GenEval's 553 evaluation prompts, | this file (GenEval's |
+|                     | with seed 0, test removed          | exactly                           | create_prompts)      |
+| `pickapic`          | unique captions of Pick-a-Pic      | its 500 test_unique captions      | hub, pyarrow needed  |
+|                     | v1's train split minus test        |                                   |                      |
+| `hpdv2`             | unique prompts of HPDv2 train      | the 400 prompts of HPDv2 test     | hub                  |
+| `drawbench`         | none (an evaluation set)           | the 200 DrawBench prompts         | hub (HPDv2's copy)   |
 
+Flow-GRPO's files are read as its training script reads them (every line, in order), downloaded once into
+$VGRPO_CACHE (default ~/.cache/v-grpo) and checked against their pins on every read; offline with an empty cache
+the run stops in one line naming the URL, the pin and the local path to place the file at by hand.
 Hub sets are downloaded once with huggingface_hub into its cache (HF_HUB_CACHE), pinned to a commit, and read
 from there afterwards; offline with an empty cache the run stops in one line saying what to fetch.
 `python prompts.py NAME:SPLIT > file.jsonl` writes a set out.
 """
 
+import hashlib
 import json
 import os
 import sys
+import urllib.request
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -392,6 +402,103 @@ def drawbench() -> list[Prompt]:
                                     "drawbench:test"))
 
 
+# ----------------------------------------------------------------------------------------------
+# Flow-GRPO's prompt files (Liu et al., 2025, MIT licence): the sets the paper, Flow-GRPO and DiffusionNFT train and
+# evaluate on, each read exactly as Flow-GRPO's training script reads it, from one commit of its repository.
+
+FLOW_GRPO = ("yifan123/flow_grpo", "ac4c86e8cae021841f1fde853d340e0db67690dd")  # 2025-07-18
+FLOW_GRPO_URL = "https://raw.githubusercontent.com/{repo}/{commit}/{path}"
+# Each file by its git blob id (the SHA-1 of b"blob SIZE\0" + its bytes: what the repository's tree lists for it, and
+# what `git hash-object FILE` prints) and its sha256. The two train files marked None were left out of the repository
+# snapshot this project could read, so only the tree's blob id pins them.
+FLOW_GRPO_FILES = {
+    "dataset/ocr/train.txt": ("3ce0521b77b0a9031191d66ecc36ebaaf27a3922", None),
+    "dataset/ocr/test.txt": ("8deb4f8d8f2e863f45353354243669b3c991a6a2",
+                             "4dd8caf3ab6ade73bd376c7d14c6ca49b6eacfb1bd321e22c40714ae4a98d4dc"),
+    "dataset/pickscore/train.txt": ("a437bd921c03fbc00c4e7ce148ae2d28fcd6e49b",
+                                    "2f425adcbb9a6d0feee7c6c448e1cb83a1f71deca9434b803907e2578eca837f"),
+    "dataset/pickscore/test.txt": ("45f05231b969fb5f74c8debd606b22cd3be27f8e",
+                                   "d75c025fa451866e70f7e36243f7cdd93095523cb51f5f9651f2ce3236d20262"),
+    "dataset/geneval/train_metadata.jsonl": ("0b97e8a6802c08fc7537cd00c76ae79c851bddcb", None),
+    "dataset/geneval/test_metadata.jsonl": ("27cdaf5cc1356fe15aeadbb8df55682ca74228f0",
+                                            "cec4b24b9fee7bac21c8f787054ecc8dc9ff831674037713a4cd35e0f0a74a28"),
+}
+
+
+def cache_dir() -> Path:
+    """Downloaded prompt files: $VGRPO_CACHE, else $XDG_CACHE_HOME/v-grpo, else ~/.cache/v-grpo."""
+    if os.environ.get("VGRPO_CACHE"):
+        return Path(os.environ["VGRPO_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "v-grpo"
+
+
+def git_blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def pin_problem(data: bytes, path: str) -> str:
+    """'' when data is Flow-GRPO's file at `path` (its blob id, and its sha256 where pinned), else what differs."""
+    blob, sha256 = FLOW_GRPO_FILES[path]
+    if git_blob_id(data) != blob:
+        return f"git blob {git_blob_id(data)}, pinned {blob}"
+    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
+        return f"sha256 {hashlib.sha256(data).hexdigest()}, pinned {sha256}"
+    return ""
+
+
+def flow_grpo_file(path: str, what: str) -> Path:
+    """Flow-GRPO's `path` at the pinned commit, in the cache: downloaded once, checked against its pin before it is
+    kept and on every read. Where it cannot be had, one line naming the URL, the pin and the exact local path a user
+    may place the file at by hand."""
+    repo, commit = FLOW_GRPO
+    local = cache_dir() / "flow_grpo" / commit / path
+    url = FLOW_GRPO_URL.format(repo=repo, commit=commit, path=path)
+    blob, sha256 = FLOW_GRPO_FILES[path]
+    pin = f"git blob {blob}" + (f", sha256 {sha256}" if sha256 else "")
+    if not local.is_file():
+        try:
+            if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", ""):
+                raise OSError("HF_HUB_OFFLINE is set")
+            with urllib.request.urlopen(url, timeout=60) as response:
+                data = response.read()
+        except (OSError, ValueError) as error:  # URLError, timeouts and refusals are OSErrors
+            raise ConfigError(f"prompt set {what} is Flow-GRPO's {path}, which is not cached and could not be "
+                              f"downloaded ({error}); download {url} ({pin}) and place it at {local}") from None
+        problem = pin_problem(data, path)
+        if problem:
+            raise ConfigError(f"prompt set {what}: {url} gave a file that is not the pinned one ({problem}); "
+                              "nothing was kept")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        partial_file = local.with_name(f"{local.name}.part-{os.getpid()}")
+        partial_file.write_bytes(data)
+        os.replace(partial_file, local)  # whole or absent: a download cut short never looks cached
+    problem = pin_problem(local.read_bytes(), path)
+    if problem:
+        raise ConfigError(f"prompt set {what}: {local} is not Flow-GRPO's {path} ({problem}); delete it to download "
+                          f"it again, or place the file from {url} there")
+    return local
+
+
+def flow_grpo_text(name: str, split: str) -> list[Prompt]:
+    """dataset/NAME/SPLIT.txt as Flow-GRPO's TextPromptDataset reads it: every line stripped, in file order, repeats
+    and all (the paper's runs sampled from exactly this list)."""
+    path = flow_grpo_file(f"dataset/{name}/{split}.txt", f"{name}:{split}")
+    with open(path, encoding="utf-8") as f:
+        return [Prompt(line.strip(), {}) for line in f.readlines()]
+
+
+def flow_grpo_geneval(split: str) -> list[Prompt]:
+    """dataset/geneval/SPLIT_metadata.jsonl as Flow-GRPO's GenevalPromptDataset reads it: one JSON record a line, the
+    record the prompt's metadata. The test split is GenEval's 553 prompts, each 4 times (2,212 lines)."""
+    path = flow_grpo_file(f"dataset/geneval/{split}_metadata.jsonl", f"geneval:{split}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            records = [json.loads(line) for line in f]
+        return [Prompt(r["prompt"], r) for r in records]
+    except (ValueError, KeyError, TypeError) as error:
+        raise _unreadable(path, f"geneval:{split}", error) from None
+
+
 @dataclass(frozen=True)
 class PromptSet:
     splits: dict[str, Callable[[], list[Prompt]]]
@@ -400,10 +507,21 @@ class PromptSet:
 
 
 SETS = {
-    "ocr": PromptSet({"train": lambda: ocr_prompts("train", 20_000, seed=0), "test": lambda: ocr_prompts("test", 1000, seed=1)},
-                     "prompts.py (templates x words of its own)", "as this repository"),
-    "geneval": PromptSet({"train": geneval_train, "test": geneval_test},
-                         "prompts.py (GenEval's prompt generator, written out)", "as this repository"),
+    "ocr": PromptSet({"train": lambda: flow_grpo_text("ocr", "train"), "test": lambda: flow_grpo_text("ocr", "test")},
+                     f"Flow-GRPO's dataset/ocr ({FLOW_GRPO[0]}@{FLOW_GRPO[1][:7]}), the paper's OCR stage", "MIT"),
+    "pickscore": PromptSet({"train": lambda: flow_grpo_text("pickscore", "train"),
+                            "test": lambda: flow_grpo_text("pickscore", "test")},
+                           f"Flow-GRPO's dataset/pickscore ({FLOW_GRPO[0]}@{FLOW_GRPO[1][:7]}), the paper's "
+                           "preference stages", "MIT"),
+    "geneval": PromptSet({"train": lambda: flow_grpo_geneval("train"), "test": lambda: flow_grpo_geneval("test")},
+                         f"Flow-GRPO's dataset/geneval ({FLOW_GRPO[0]}@{FLOW_GRPO[1][:7]}), the paper's GenEval "
+                         "stages", "MIT"),
+    "ocr-templates": PromptSet({"train": lambda: ocr_prompts("train", 20_000, seed=0),
+                                "test": lambda: ocr_prompts("test", 1000, seed=1)},
+                               "prompts.py's templates x words, not the paper's (that is `ocr`)", "as this repository"),
+    "geneval-generated": PromptSet({"train": geneval_train, "test": geneval_test},
+                                   "prompts.py (GenEval's prompt generator, written out), not the paper's (that is "
+                                   "`geneval`)", "as this repository"),
     "pickapic": PromptSet({"train": lambda: pickapic("train"), "test": lambda: pickapic("test")},
                           f"hub dataset {PICKAPIC[0]}", "see its dataset card"),
     "hpdv2": PromptSet({"train": lambda: hpdv2("train"), "test": lambda: hpdv2("test")}, f"hub dataset {HPDV2[0]}",

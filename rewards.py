@@ -764,9 +764,11 @@ def geneval_keep(raw: dict[str, list[Detection]], tag: str, *, threshold: float 
     limit = counting_threshold if tag == "counting" else threshold
     kept = {}
     for name, found in raw.items():
-        scores = np.array([d.score for d in found], dtype=float)
+        # In float32, as GenEval compares mmdet's float32 scores with its Python threshold: a score of exactly
+        # float32(0.3) is 0.30000001 as a double and passed "> 0.3" here where GenEval drops it.
+        scores = np.array([d.score for d in found], dtype=np.float32)
         order = np.argsort(scores)[::-1]  # as GenEval sorts, ties included
-        order = [i for i in order if scores[i] > limit][:max_objects]
+        order = [i for i in order if scores[i] > np.float32(limit)][:max_objects]
         chosen = []
         while order:
             best = order.pop(0)

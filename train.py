@@ -6,11 +6,11 @@ Qwen-Image, FLUX.2 [klein] and Wan (text to video), one adapter each in adapters
 
     python train.py                                   # tiny SD3 built from configs: CPU, offline, minutes
     python train.py --model DIR_OR_HUB_ID --prompts prompts.txt --rewards pickscore:1,hpsv21:1
-    torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickapic --run_dir runs/sd35m  # paper: SD3.5-M stage 1
+    torchrun --nproc_per_node=8 train.py --preset sd35m --prompts pickscore --run_dir runs/sd35m # the paper, stage 1
     torchrun --nproc_per_node=8 train.py --preset flux --prompts hpdv2          # paper: FLUX.1-dev
     torchrun --nproc_per_node=8 train.py --preset wan21 --prompts ocr           # video: Wan2.1-1.3B, Flow-GRPO's
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500 --max_restarts=3 \
-        train.py --preset sd35m --prompts pickapic --run_dir runs/sd35m       # two nodes, workers restarted on failure
+        train.py --preset sd35m --prompts pickscore --run_dir runs/sd35m      # two nodes, workers restarted on failure
     python train.py --preset flux --plan --plan_world_size 8 --plan_gpu_gb 80  # memory per GPU, before loading anything
     python evaluate.py --runs runs/NAME --prompts drawbench                     # base vs trained on a benchmark
     python train.py --help                            # every option, with its default
@@ -86,7 +86,8 @@ class Config:
                              "Wan2.2-TI2V-5B); tiny | tiny-flux | tiny-qwenimage | tiny-flux2 | tiny-wan build a tiny one "
                              "offline")
     prompts: str = arg("", "training prompts: .txt (one per line), .jsonl ({'prompt': ..., metadata}) or a named set "
-                           "(ocr, geneval, pickapic, hpdv2: its train split; prompts.py); tiny models have built-ins")
+                           "(ocr, geneval, pickscore, pickapic, hpdv2, ...: its train split; prompts.py); tiny models "
+                           "have built-ins")
     eval_prompts: str = arg("", "fixed evaluation prompts, same forms; default: a named set's test split, else the "
                                 "first eval_samples training prompts")
     eval_samples: int = arg(32, "evaluation samples: the eval prompts in order, cycled (each repeat with its own fixed "
@@ -472,7 +473,7 @@ class Run:
     start: int  # the first iteration to run: 0, or the one after the checkpoint a continued run resumes
     tracker: runs.Tracker
     bar: tqdm
-    stop: dict = field(default_factory=lambda: {"requested": False, "peer_lost": False})  # SIGTERM / SIGINT
+    stop: dict = field(default_factory=lambda: {"requested": False})  # SIGTERM / SIGINT
 
 
 @dataclass
@@ -564,9 +565,9 @@ def setup(cfg: Config, family: str) -> Run:
 def stop_requested(run: Run, *_) -> None:
     """SIGTERM / SIGINT: finish the iteration, save, exit 0. The signal torchrun's agent sends when another rank
     died is different: nothing can be saved without that rank, so this one stops at once (parallel.PeerLost), and
-    only once (a second signal may come while the interpreter exits)."""
-    if parallel.lost_ranks() and not run.stop["peer_lost"]:
-        run.stop["peer_lost"] = True
+    only once (parallel.PeerLost.raised: the signal may come after a failed collective raised it, as the
+    interpreter exits)."""
+    if parallel.lost_ranks() and not parallel.PeerLost.raised:
         raise parallel.PeerLost(parallel.lost_ranks(), run.dir)
     run.stop["requested"] = True
 
@@ -684,8 +685,6 @@ def log(run: Run, it: int, batch: Batch, scores: dict, adv: torch.Tensor, ro: vg
                                              {**run.reward_fns, **run.monitor_fns}, run.weights, run.rank, run.world,
                                              device, run.dir / "samples" / f"iter-{it:06d}.png" if run.rank == 0 else None))
     run.tracker.log(it, metrics)
-    if run.rank == 0 and "eval/reward_mean" in metrics:
-        runs.draw_curves(run.dir)
     if run.rank == 0 and (it % cfg.log_every == 0 or it == cfg.iterations - 1):
         run.bar.write(f"iter {it}: " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k in STDOUT_METRICS))
     run.bar.set_postfix(reward=f"{metrics['reward_mean']:.4f}", ratio=f"{metrics['ratio_mean']:.3f}",
@@ -695,11 +694,14 @@ def log(run: Run, it: int, batch: Batch, scores: dict, adv: torch.Tensor, ro: vg
 
 def save(run: Run, it: int) -> bool:
     """The checkpoint of iteration it, every save_every iterations, at the end, and when SIGTERM / SIGINT asked any
-    rank to stop (all ranks agree first). True when the run stops here."""
+    rank to stop (all ranks agree first), with curves.png redrawn (a second a drawing: once per checkpoint, not per
+    evaluation). True when the run stops here."""
     cfg = run.cfg
     stopping = parallel.reduce_metrics({"stop_max": float(run.stop["requested"])}, run.device)["stop_max"] > 0
     if stopping or (it + 1) % cfg.save_every == 0 or it == cfg.iterations - 1:
         checkpoint.save_checkpoint(run.dir, it, run.model.transformer, run.optimizer, run.rank, ema=run.ema)
+        if run.rank == 0:
+            runs.draw_curves(run.dir)
     if stopping and run.rank == 0:
         print(f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {it} saved; the same command continues it",
               flush=True)
@@ -707,7 +709,8 @@ def save(run: Run, it: int) -> bool:
 
 
 def finish(run: Run) -> None:
-    """The export (the EMA's weights with --export_ema), and on rank 0 the run's curve and what to open next."""
+    """The export (the EMA's weights with --export_ema), and on rank 0 the summary and what to open next (the curves
+    were drawn with the last checkpoint)."""
     cfg = run.cfg
     with guards.swapped_weights(run.trainable, list(run.ema.values())) if cfg.export_ema else contextlib.nullcontext():
         checkpoint.export_final(run.dir / "final", run.model, lora=cfg.lora_rank > 0, rank=run.rank,
@@ -715,7 +718,7 @@ def finish(run: Run) -> None:
                                       "iteration": cfg.iterations - 1})
     if run.rank == 0:
         print(runs.summary_table(runs.read_metrics(run.dir)))
-        print(runs.closing_summary(run.dir, cfg, run.model, curves=runs.draw_curves(run.dir)))
+        print(runs.closing_summary(run.dir, cfg, run.model, curves=(run.dir / "curves.png").is_file()))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -109,7 +109,7 @@ def assert_export_reproduces_training(run_dir, base_dir, family, *, lora):
     g = torch.Generator().manual_seed(0)
     z = torch.randn(2, *trained.latent_shape(), generator=g)
     t, cond = torch.tensor([0.3, 0.8]), trained.encode(["a red car", "a blue flower"])
-    pipe = DiffusionPipeline.from_pretrained(base_dir)
+    pipe = DiffusionPipeline.from_pretrained(base_dir, dtype=torch.float32)
     loaded = adapter_for(pipe, family, resolution=trained.resolution, num_frames=trained.num_frames)
     with torch.no_grad():
         want, before = trained.velocity(z, t, cond), loaded.velocity(z, t, cond)

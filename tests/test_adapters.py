@@ -2,7 +2,7 @@
 width (reduced depth), with CFG and the pipelines' own schedulers; cond_like is shaped like encode.
 """
 
-from functools import partial
+from functools import cache, partial
 
 import pytest
 import torch
@@ -125,18 +125,20 @@ REAL_WAN = [name for name, spec in builders.REAL_CONFIGS.items() if spec["family
 
 @pytest.fixture(scope="module")
 def real_pipes(real_dirs):
-    """name -> pipeline for every REAL_CONFIGS entry, loaded through from_pretrained where saved; the other
-    members of a family share the saved one's text encoders and VAE (same widths) with their own transformer and
-    scheduler."""
+    """name -> pipeline for every REAL_CONFIGS entry, loaded in float32 through from_pretrained where saved (each
+    on first use); the other members of a family share the saved one's text encoders and VAE (same widths) with
+    their own transformer and scheduler."""
     from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
-    loaded = {name: DiffusionPipeline.from_pretrained(real_dirs / name) for name in SAVED_REAL.values()}
+    @cache
+    def saved(name):
+        return DiffusionPipeline.from_pretrained(real_dirs / name, dtype=torch.float32)
 
     def get(name):
-        if name in loaded:
-            return loaded[name]
+        if name in SAVED_REAL.values():
+            return saved(name)
         spec = builders.REAL_CONFIGS[name]
-        base = loaded[SAVED_REAL[spec["family"]]]
+        base = saved(SAVED_REAL[spec["family"]])
         if spec["family"] == "wan":  # its own VAE (Wan2.2's differs), the saved UMT5
             return builders.reduced_wan_pipeline(name, text_encoder=base.text_encoder, tokenizer=base.tokenizer)
         return type(base)(**{**base.components, "transformer": builders.reduced_transformer(name).eval(),

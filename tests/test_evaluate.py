@@ -82,7 +82,7 @@ def test_evaluate_reports_genevals_accuracy_per_task(sd3_run, tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         options = json.dumps({"geneval": {"url": f"http://127.0.0.1:{server.server_port}"}})
-        result = run_evaluate("--runs", str(sd3_run), "--no-base", "--prompts", "geneval", "--rewards", "geneval",
+        result = run_evaluate("--runs", str(sd3_run), "--no-base", "--prompts", "geneval-generated", "--rewards", "geneval",
                               "--reward_options", options, "--max_prompts", "200", "--out", str(tmp_path / "g"))
     finally:
         server.shutdown()
@@ -90,7 +90,7 @@ def test_evaluate_reports_genevals_accuracy_per_task(sd3_run, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "g" / "eval.json").read_text())["rows"]
     row = rows[f"run:{sd3_run}"]
-    accuracy, tags = row["extras"]["geneval"]["accuracy"], [p.metadata["tag"] for p in prompt_sets.load("geneval:test")[:200]]
+    accuracy, tags = row["extras"]["geneval"]["accuracy"], [p.metadata["tag"] for p in prompt_sets.load("geneval-generated:test")[:200]]
     tasks = {t: np.mean([a for a, tag in zip(accuracy, tags) if tag == t]) for t in set(tags)}
     assert row["metrics"]["geneval accuracy"]["tasks"] == pytest.approx(tasks)
     assert row["metrics"]["geneval accuracy"]["mean"] == pytest.approx(np.mean(list(tasks.values())))

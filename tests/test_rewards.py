@@ -606,6 +606,18 @@ def test_geneval_keep_thresholds_sorts_limits_and_suppresses_as_the_published_sc
     assert rewards.geneval_iou((0, 0, 10, 10), (1, 0, 11, 10)) == pytest.approx(110 / 132)
 
 
+def test_geneval_thresholds_compare_in_float32_as_genevals_detector_arrays_do():
+    """GenEval keeps `result[:, 4] > threshold` of mmdet's float32 arrays: numpy compares in float32. A score of
+    exactly float32(0.3) is 0.30000001 as a double and was kept here where GenEval drops it."""
+    for tag, limit in (("single_object", 0.3), ("counting", 0.9)):
+        at = np.float32(limit)
+        scores = [at, np.nextafter(at, np.float32(1)), np.nextafter(at, np.float32(0))]
+        raw = {"dog": [rewards.Detection((0, 0, 9, 9), float(s)) for s in scores]}
+        kept = [d.score for d in rewards.geneval_keep(raw, tag).get("dog", [])]
+        genevals = np.array(scores, dtype=np.float32) > limit  # evaluate_images.py's comparison, on its array type
+        assert kept == [float(s) for s, keep in zip(scores, genevals) if keep] == [float(scores[1])]
+
+
 def test_geneval_positions_shrink_the_offset_by_the_object_sizes():
     a, b = det(0, 40, 20, 60), det(90, 40, 110, 60)  # centres 100 apart horizontally, sizes 20
     assert rewards.geneval_relations(a, b) == {"left of"} and rewards.geneval_relations(b, a) == {"right of"}

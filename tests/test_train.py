@@ -103,11 +103,11 @@ def test_train_runs_ocr_on_the_ocr_set_and_logs_finite_ocr_rewards(tiny_dirs, tm
     """The done-when of the OCR task on a fresh clone: it runs and evaluates offline (a 32 px model writes nothing
     legible, so the rewards are near 0, but finite)."""
     run_dir = tmp_path / "ocr"
-    train.main(["--model", str(tiny_dirs / "sd3"), "--prompts", "ocr", "--rewards", "ocr", "--iterations", "1",
+    train.main(["--model", str(tiny_dirs / "sd3"), "--prompts", "ocr-templates", "--rewards", "ocr", "--iterations", "1",
                 "--num_prompts", "2", "--group_size", "2", "--micro_batch_size", "2", "--eval_samples", "4",
                 "--eval_every", "1", "--run_dir", str(run_dir)])
     out = capsys.readouterr().out
-    assert "prompts: ocr:train, 20000 prompts" in out and "prompts: ocr:test, 1000 prompts" in out
+    assert "prompts: ocr-templates:train, 20000 prompts" in out and "prompts: ocr-templates:test, 1000 prompts" in out
     line = read_metrics(run_dir)[0]
     assert 0 <= line["reward/ocr_mean"] <= 1 and 0 <= line["eval/ocr_mean"] <= 1
     samples = json.loads((run_dir / "samples" / "iter-000000.json").read_text())
@@ -120,7 +120,7 @@ def test_train_runs_geneval_through_a_detector_server(tiny_dirs, tmp_path):
     try:
         run_dir = tmp_path / "geneval"
         options = json.dumps({"geneval": {"url": f"http://127.0.0.1:{server.server_port}"}})
-        train.main(["--model", str(tiny_dirs / "sd3"), "--prompts", "geneval", "--rewards", "geneval",
+        train.main(["--model", str(tiny_dirs / "sd3"), "--prompts", "geneval-generated", "--rewards", "geneval",
                     "--reward_options", options, "--iterations", "1", "--num_prompts", "2", "--group_size", "2",
                     "--micro_batch_size", "2", "--eval_samples", "4", "--eval_every", "1", "--run_dir", str(run_dir)])
     finally:
