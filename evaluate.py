@@ -4,7 +4,11 @@
     python evaluate.py --preset sd35m --runs runs/A --prompts drawbench --rewards pickscore,hpsv21,imagereward,clipscore
     torchrun --nproc_per_node=8 evaluate.py --preset sd35m --runs runs/B --prompts geneval --rewards geneval \
         --samples_per_prompt 4                                  # GenEval's protocol (a server: rewards.py serve geneval)
-    python evaluate.py --model stabilityai/stable-diffusion-3.5-medium --loras runs/A/final --prompts ocr --rewards ocr
+    python evaluate.py --model stabilityai/stable-diffusion-3.5-medium --loras runs/A/final --prompts ocr
+
+On the paper's sets (ocr, geneval, pickscore, drawbench) the default protocol is DiffusionNFT's evaluation script, the
+paper's (PAPER_PROTOCOL, PAPER_REWARDS: 40 Euler steps, no CFG, 512 px, one image per prompt, its rewards per set),
+and the table ends with the paper's published Table 3 rows for the columns it shares.
 
 Rows: the base model (unless --no-base), each run directory's last checkpoint (exactly as training left it), each
 exported LoRA loaded with pipe.load_lora_weights. Every row samples the same prompts from the same noise (sample j
@@ -53,6 +57,24 @@ SAMPLER = ("model", "resolution", "width", "num_frames", "max_sequence_length", 
            "flux_guidance", "dtype", "rollout_batch_size", "offload_text_encoders", "tiny_fit_steps", "seed")
 GRID_PROMPTS = 8  # prompts shown per model in grid.png
 
+# The paper's evaluation (its Table 3) is DiffusionNFT's scripts/evaluation.py (NVlabs/DiffusionNFT@24af555), read from
+# its code: each set's test split sampled by the pipeline's own call (SD3's FlowMatchEuler grid), 40 steps, guidance
+# 1.0 (no CFG), 512 px, one image per prompt, scored by these rewards per set (its hpsv2 is HPSv2.1). A run
+# evaluated on one of these sets samples so unless a flag says otherwise.
+PAPER_PROTOCOL = dict(sampling_steps=40, solver="euler", cfg_scale=1.0, resolution=512)
+PREFERENCE = "imagereward,pickscore,aesthetic,unifiedreward,clipscore,hpsv21"
+PAPER_REWARDS = {"geneval": "geneval", "ocr": "ocr", "pickscore": PREFERENCE, "drawbench": PREFERENCE}
+# The paper's Table 3 (SD3.5-M, the five-stage curriculum) by this file's column names: printed under a table with
+# those columns, for reference (published numbers, not measured here; its CLIPScore column was not recovered).
+PAPER_TABLE3 = {
+    "SD3.5-M, no CFG (paper)": (0.24, 0.12, 0.2051, 0.204, 5.13, -0.58, 2.02),
+    "SD3.5-M + CFG (paper)": (0.63, 0.59, 0.2234, 0.279, 5.36, 0.85, 3.03),
+    "+ Flow-GRPO, >5K steps (paper)": (0.95, 0.66, 0.2251, 0.274, 5.32, 1.06, 3.18),
+    "+ DiffusionNFT, ~1.7K steps (paper)": (0.94, 0.91, 0.2380, 0.331, 6.01, 1.49, 3.49),
+    "+ V-GRPO, 580 steps (paper)": (0.91, 0.91, 0.2350, 0.341, 6.02, 1.52, 3.43),
+}
+PAPER_COLUMNS = ("geneval accuracy", "ocr", "pickscore", "hpsv21", "aesthetic", "imagereward", "unifiedreward")
+
 
 @dataclass
 class Row:
@@ -100,6 +122,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, train
         given["rewards"] = args.rewards
     if args.preset and first_run:  # the preset's base model and sampler, not the run's
         given = {**{k: v for k, v in train.PRESETS[args.preset].items() if k in (*SAMPLER, "rewards")}, **given}
+    paper_set = args.prompts.partition(":")[0]
+    if paper_set in PAPER_REWARDS:  # the paper's protocol for its sets, under the flags given here
+        given = {**PAPER_PROTOCOL, "rewards": PAPER_REWARDS[paper_set], **given}
     # Evaluation scores exactly its rewards: a run's monitors are not trained on, so they can be among them.
     cfg = dataclasses.replace(cfg, **given, run_dir="", resume="", monitor_rewards="")
     if args.samples_per_prompt < 1 or args.max_prompts < 0:
@@ -204,6 +229,12 @@ def markdown_table(summaries: dict[str, dict]) -> str:
         cells = [f"{m['mean']:.4f}" + (f" ± {m['ci95']:.4f}" if math.isfinite(m.get("ci95", math.nan)) else "")
                  for m in (metrics[c] for c in columns)]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    published = [c for c in columns if c in PAPER_COLUMNS]
+    if published:
+        lines += ["", "Published in the paper's Table 3 (SD3.5-M; DiffusionNFT's protocol), for reference:", "",
+                  "| model | " + " | ".join(published) + " |", "|---|" + "---:|" * len(published)]
+        lines += [f"| {model} | " + " | ".join(f"{values[PAPER_COLUMNS.index(c)]:g}" for c in published) + " |"
+                  for model, values in PAPER_TABLE3.items()]
     tasks = {c: sorted(first[c]["tasks"]) for c in columns if "tasks" in first[c]}
     for column, names in tasks.items():
         lines += ["", f"{column} per task:", "", "| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]

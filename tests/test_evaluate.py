@@ -45,6 +45,33 @@ def test_evaluate_takes_a_video_runs_prompts_and_may_score_its_monitors(tmp_path
     assert [p.text for p in listed] == builders.TINY_VIDEO_PROMPTS
 
 
+@pytest.mark.parametrize("spec,expected_rewards", [
+    ("ocr", "ocr"), ("geneval:test", "geneval"),
+    ("pickscore", "imagereward,pickscore,aesthetic,unifiedreward,clipscore,hpsv21"),
+    ("drawbench", "imagereward,pickscore,aesthetic,unifiedreward,clipscore,hpsv21")])
+def test_the_papers_sets_are_evaluated_with_diffusionnfts_protocol_unless_a_flag_says_otherwise(spec, expected_rewards):
+    """DiffusionNFT's scripts/evaluation.py, written out from its code: num_inference_steps 40, guidance_scale 1.0,
+    resolution 512, the pipeline's own call (SD3: Euler on its grid), one image per test prompt, and per dataset the
+    scorers of its all_reward_scorers (hpsv2 = HPSv2.1). Before, the run's or preset's sampler and rewards."""
+    args, cfg = evaluate.parse_args(["--prompts", spec])
+    assert (cfg.sampling_steps, cfg.cfg_scale, cfg.resolution, cfg.solver) == (40, 1.0, 512, "euler")
+    assert cfg.rewards == expected_rewards and args.samples_per_prompt == 1
+    _, cfg = evaluate.parse_args(["--prompts", spec, "--sampling_steps", "8", "--rewards", "color"])
+    assert (cfg.sampling_steps, cfg.rewards, cfg.resolution) == (8, "color", 512)
+    _, cfg = evaluate.parse_args(["--prompts", "hpdv2"])  # not one of the paper's sets: the preset's sampler
+    assert (cfg.sampling_steps, cfg.resolution) != (40, 512)
+
+
+def test_a_table_with_the_papers_columns_ends_with_its_published_rows():
+    summaries = {"base": {"ocr": {"mean": 0.5, "ci95": 0.01}, "pickscore": {"mean": 0.21, "ci95": 0.001},
+                          "color": {"mean": 0.3, "ci95": 0.01}}}
+    table = evaluate.markdown_table(summaries)
+    assert "| model | ocr | pickscore |" in table  # the shared columns only, in the table's order
+    assert "| + V-GRPO, 580 steps (paper) | 0.91 | 0.235 |" in table
+    assert "| + DiffusionNFT, ~1.7K steps (paper) | 0.91 | 0.238 |" in table
+    assert "Published" not in evaluate.markdown_table({"base": {"color": {"mean": 0.3, "ci95": 0.01}}})
+
+
 def test_evaluate_scores_base_run_and_export_side_by_side(sd3_run, tmp_path):
     """The same prompts and noise for every row: the exported LoRA scores exactly as the run's checkpoint, the base
     differently; the table has a 95% interval per reward; two processes give the same scores as one."""
