@@ -64,6 +64,23 @@ class FlowAdapter:
     # --lora_targets auto: the attention projections of both streams (the text stream's add_* in joint attention)
     lora_targets = "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out"
 
+    @classmethod
+    def check_video_settings(cls, num_frames: int, width: int, resolution: int, video_rewards: list[str]) -> None:
+        """Frames, width and video rewards (those asked for) only where the model makes videos, and frames its VAE
+        can code; checked before anything is loaded."""
+        if cls.video:
+            if num_frames and (num_frames - 1) % cls.frame_stride:
+                raise ConfigError(f"--num_frames {num_frames}: {cls.pipeline_class} needs 1 + a multiple of "
+                                  f"{cls.frame_stride} (e.g. 33 or 81); its pipeline would round it")
+            return
+        for name, value, bad in (("num_frames", num_frames, num_frames > 1),
+                                 ("width", width, width not in (0, resolution))):
+            if bad:
+                raise ConfigError(f"--{name} {value}: {cls.pipeline_class} makes square images; --{name} is for video "
+                                  "models (Wan)")
+        if video_rewards:
+            raise ConfigError(f"reward {', '.join(video_rewards)} scores videos; {cls.pipeline_class} makes images")
+
     def __init__(self, pipe, dtype: torch.dtype = torch.float32, *, resolution: int, sampling_steps: int,
                  max_sequence_length: int, guidance: float = 3.5, num_frames: int = 1, width: int = 0):
         self.pipe, self.transformer, self.dtype = pipe, pipe.transformer, dtype

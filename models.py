@@ -139,6 +139,30 @@ def make_trainable(transformer: torch.nn.Module, cfg) -> None:
             p.data = p.data.float()
 
 
+def start_from_lora_export(transformer: torch.nn.Module, directory: str, cfg) -> None:
+    """The trainable LoRA adapters (make_trainable's, before any sharding) set to a LoRA export (a run's final/, the
+    diffusers format): each of the paper's SD3.5-M stages starts from the one before. The export must hold exactly
+    these adapters, at the same rank and alpha; anything else is refused in one line."""
+    from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / "pytorch_lora_weights.safetensors"), "pt") as f:  # train.validate: it exists
+        saved = {k.removeprefix("transformer."): f.get_tensor(k) for k in f.keys()}
+        metadata = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
+    shape = (metadata.get("transformer.r"), metadata.get("transformer.lora_alpha"))
+    if shape != (cfg.lora_rank, cfg.lora_alpha):
+        raise ConfigError(f"--init_lora {directory} holds LoRA rank {shape[0]}, alpha {shape[1]}; this run trains rank "
+                          f"{cfg.lora_rank}, alpha {cfg.lora_alpha}: pass the export's --lora_rank and --lora_alpha")
+    expected = set(get_peft_model_state_dict(transformer))
+    if set(saved) != expected:
+        extra, missing = sorted(set(saved) - expected), sorted(expected - set(saved))
+        raise ConfigError(f"--init_lora {directory} does not hold this run's adapters (--lora_targets, model): "
+                          f"{len(missing)} missing ({', '.join(missing[:2])}), {len(extra)} not in this model "
+                          f"({', '.join(extra[:2])})")
+    # In float32, as make_trainable keeps the adapters; the export holds them as training left them.
+    set_peft_model_state_dict(transformer, {k: v.float() for k, v in saved.items()})
+
+
 def lora_targets(flag: str, family: str) -> list[str]:
     """--lora_targets as a list: its names, or for "auto" the family's attention projections."""
     return (ADAPTERS[family].lora_targets if flag == "auto" else flag).split(",")

@@ -151,6 +151,8 @@ class Config:
     lora_targets: str = arg("auto", "LoRA target modules, comma-separated; auto = the family's attention projections "
                                     "(to_q,to_k,to_v,to_out.0 and, where the blocks have them, the text stream's "
                                     "add_q_proj,add_k_proj,add_v_proj,to_add_out)")
+    init_lora: str = arg("", "a LoRA export (a run's final/) the adapters start from, as each of the paper's SD3.5-M "
+                             "stages starts from the one before (--preset sd35m-stageN)")
     # --- systems
     micro_batch_size: int = arg(4, "samples per forward/backward in the gradient steps (per rank)")
     rollout_batch_size: int = arg(32, "samples per sampling / decoding / reward call (per rank)")
@@ -204,6 +206,7 @@ PRESETS = {
                   rewards="hpsv21:1,pickscore:1,clipscore:1", num_prompts=48, group_size=24, sampling_steps=40,
                   solver="euler", num_mc=4, num_grad_steps=1, soft_clip_eta=3.0, clip_eps=None, lr=3e-4,
                   lora_rank=32, lora_alpha=64, iterations=150, micro_batch_size=4, rollout_batch_size=24),
+    # Paper, SD3.5-Medium, the five stages of its Table 3: below, after PRESETS.
     # Paper, FLUX.1-dev: 16-step higher-order ODE, ratio clip (+ soft clip). Group size, batch, the number of
     # gradient steps and the optimiser are not in the paper's text we have: inferred, see README.
     "flux": dict(model="black-forest-labs/FLUX.1-dev", resolution=720, max_sequence_length=512,
@@ -246,6 +249,25 @@ PRESETS = {
                      weight_decay=1e-4, lora_rank=64, lora_alpha=128, iterations=300, micro_batch_size=4,
                      rollout_batch_size=16, grad_checkpointing=True),
 }
+
+# The paper's SD3.5-M curriculum (Table 3, 580 gradient steps): preference / GenEval / preference / GenEval / OCR for
+# 150, 200, 150, 50 and 30 gradient steps, K = 4 in the preference stages and 10 in the others (NFE per step 40 + 2K:
+# 48 and 60), on Flow-GRPO's prompt files, each starting from the stage before's LoRA (--init_lora RUN/final). Where the
+# paper is silent, the choice made: the GenEval and OCR stages take 2 gradient steps per rollout batch with the ratio
+# clip 0.01 and no soft clip (the paper names a ratio clip there and the soft clip for the fully on-policy stages; 2 is
+# the least that makes a ratio clip act), so their iterations are half their gradient steps; micro_batch_size 2 there
+# (20 rows of K = 10: --plan gives 49.9 GiB per GPU of 80 on 8; 4 gives 98.2); the OCR stage's x-space KL (beta 0.3)
+# is Eq. 16's, to the behaviour policy (--kl_coef).
+_PREFERENCE = dict(PRESETS["sd35m"], prompts="pickscore")
+_GENEVAL = dict(PRESETS["sd35m"], prompts="geneval", rewards="geneval:1", num_mc=10, num_grad_steps=2, clip_eps=0.01,
+                soft_clip_eta=None, micro_batch_size=2)
+PRESETS.update({
+    "sd35m-stage1": dict(_PREFERENCE, iterations=150),
+    "sd35m-stage2": dict(_GENEVAL, iterations=100),
+    "sd35m-stage3": dict(_PREFERENCE, iterations=150),
+    "sd35m-stage4": dict(_GENEVAL, iterations=25),
+    "sd35m-stage5": dict(_GENEVAL, prompts="ocr", rewards="ocr:1", kl_coef=0.3, iterations=15),
+})
 
 
 def parse_config(argv: list[str] | None = None) -> Config:
@@ -370,6 +392,11 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"{local} samples per rank (num_prompts {cfg.num_prompts} x group_size {cfg.group_size} / "
                           f"{world_size} ranks) must split into --num_grad_steps {cfg.num_grad_steps} mini-batches "
                           f"of whole --micro_batch_size {cfg.micro_batch_size} micro-batches")
+    if cfg.init_lora and not cfg.lora_rank:
+        raise ConfigError("--init_lora starts LoRA adapters from an export: it needs --lora_rank > 0")
+    if cfg.init_lora and not (Path(cfg.init_lora) / "pytorch_lora_weights.safetensors").is_file():
+        raise ConfigError(f"--init_lora {cfg.init_lora}: no pytorch_lora_weights.safetensors there; pass a run's "
+                          "final/ directory (a LoRA export)")
     if not all(cfg.lora_targets.split(",")):
         raise ConfigError(f"--lora_targets: name at least one module, comma-separated without empty names "
                           f"(got {cfg.lora_targets!r}); e.g. {adapters.FlowAdapter.lora_targets}")
@@ -418,7 +445,8 @@ def validate(cfg: Config, world_size: int) -> str:
                           "model_index.json) and Flux2KleinPipeline applies no CFG to it; use --cfg_scale 1, or train the "
                           "base model (e.g. black-forest-labs/FLUX.2-klein-base-4B) with CFG")
     adapter = adapters.ADAPTERS[family]
-    check_video_settings(cfg, adapter, {**weights, **monitored})
+    adapter.check_video_settings(cfg.num_frames, cfg.width, cfg.resolution,
+                                 sorted(set({**weights, **monitored}) & rewards.VIDEO_REWARDS))
     if cfg.sampling_steps < adapter.min_sampling_steps:
         raise ConfigError(f"--sampling_steps {cfg.sampling_steps}: {adapter.pipeline_class} needs at least "
                           f"{adapter.min_sampling_steps} (its scheduler's sigma grid is undefined for fewer, the "
@@ -427,23 +455,6 @@ def validate(cfg: Config, world_size: int) -> str:
         raise ConfigError(f"--max_sequence_length {cfg.max_sequence_length}: {adapter.pipeline_class} accepts at most "
                           f"{adapter.text_token_limit} (pipe(...) refuses longer text too)")
     return family
-
-
-def check_video_settings(cfg: Config, adapter: type, reward_names) -> None:
-    """Frames, width and video rewards only where the model makes videos, and frames its VAE can code."""
-    if adapter.video:
-        if cfg.num_frames and (cfg.num_frames - 1) % adapter.frame_stride:
-            raise ConfigError(f"--num_frames {cfg.num_frames}: {adapter.pipeline_class} needs 1 + a multiple of "
-                              f"{adapter.frame_stride} (e.g. 33 or 81); its pipeline would round it")
-        return
-    wrong = {"num_frames": cfg.num_frames > 1, "width": cfg.width not in (0, cfg.resolution)}
-    for name, bad in wrong.items():
-        if bad:
-            raise ConfigError(f"--{name} {getattr(cfg, name)}: {adapter.pipeline_class} makes square images; --{name} "
-                              "is for video models (Wan)")
-    videos_only = sorted(set(reward_names) & rewards.VIDEO_REWARDS)
-    if videos_only:
-        raise ConfigError(f"reward {', '.join(videos_only)} scores videos; {adapter.pipeline_class} makes images")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -517,6 +528,8 @@ def setup(cfg: Config, family: str) -> Run:
     # The reference KL's base model under full fine-tuning: a frozen copy, taken before training casts the weights.
     frozen_base = copy.deepcopy(transformer) if cfg.ref_kl_coef > 0 and not cfg.lora_rank else None
     models.make_trainable(transformer, cfg)
+    if cfg.init_lora:  # the stage before's LoRA; a checkpoint of this run, if any, replaces it below
+        models.start_from_lora_export(transformer, cfg.init_lora, cfg)
     if cfg.grad_checkpointing:
         transformer.enable_gradient_checkpointing()
     if cfg.compile != "none":

@@ -180,6 +180,7 @@ BAD_INPUTS = [
     (["--rewards", "color:nan"], "reward weight 'nan' for 'color' must be finite"),
     (["--reward_options", '{"pickscore": {}}'], "must map names from --rewards"),
     (["--solver", "rk4"], "--solver 'rk4' is not one of"),
+    (["--init_lora", "{tmp}"], "no pytorch_lora_weights.safetensors there; pass a run's final/ directory"),
     (["--resume", "{tmp}"], "no config.json there"),
     (["--model", "tiny-flux", "--cfg_scale", "4"], "does not apply to FLUX.1"),
     (["--model", "black-forest-labs/FLUX.2-klein-4B", "--cfg_scale", "4"], "is step-distilled"),
