@@ -500,10 +500,12 @@ def peer_history(method: str, task: str, base: int, seed: int, lr: float, *, ite
     if kind == "vgrpo":
         with tempfile.TemporaryDirectory() as run_dir:
             return vgrpo_sd3(model_dir, Path(run_dir) / "run", seed, iterations, eval_every, flags)
-    run = {"nft": partial(baselines.diffusion_nft_sd3, nft=baselines.DiffusionNFT(**options)),
-           "mix": partial(baselines.mixgrpo_sd3, mix=baselines.MixGRPO(**options)),
-           "flow": baselines.flow_grpo_sd3}[kind]
-    return run(model_dir, seed, iterations, eval_every, flags=flags)
+    if kind == "nft":
+        return baselines.diffusion_nft_sd3(model_dir, seed, iterations, eval_every, flags=flags,
+                                           nft=baselines.DiffusionNFT(**options))
+    if kind == "mix":
+        return baselines.mixgrpo_sd3(model_dir, seed, iterations, eval_every, flags=flags, mix=baselines.MixGRPO(**options))
+    return baselines.flow_grpo_sd3(model_dir, seed, iterations, eval_every, flags=flags)
 
 
 def peer_runs(keys: list[tuple], *, cache: Path, root: Path, jobs: int, iterations: int, eval_every: int) -> dict:

@@ -136,3 +136,24 @@ def test_peers_section_takes_each_methods_best_lr_and_compares_run_by_run(tmp_pa
     assert "\n| DiffusionNFT | 0.001 | +0.2 | 0 of 4 | - | - | - | - |" in text
     assert "\n| DiffusionNFT / V-GRPO | +0.04 | 4 of 4 | 2 (2-2) | 2 (2-2) | 2 (2-2) |" in text
     assert "\n| DiffusionNFT / V-GRPO | +0.2 | 0 of 4 | - | - | - |" in text
+
+
+def test_every_peer_method_runs_its_own_runner_with_its_own_options(tmp_path, monkeypatch):
+    """Section 11's worker builds only the method it runs: it built DiffusionNFT(**options) for every method, and
+    MixGRPO-Flash's options (flash=True) stopped its first run with a TypeError (the section's test stubbed the runs)."""
+    import baselines
+
+    calls = []
+    for kind, runner, key in (("nft", "diffusion_nft_sd3", "nft"), ("mix", "mixgrpo_sd3", "mix"),
+                              ("flow", "flow_grpo_sd3", None)):
+        monkeypatch.setattr(baselines, runner, lambda *a, kind=kind, key=key, **k: calls.append((kind, k.get(key))) or [])
+    monkeypatch.setattr(bench, "vgrpo_sd3", lambda *a, **k: calls.append(("vgrpo", None)) or [])
+    monkeypatch.setattr(bench, "peer_base", lambda root, base: tmp_path)
+    for method, (kind, options) in bench.PEER_METHODS.items():
+        calls.clear()
+        assert bench.peer_history(method, "color", 0, 0, 1e-3, iterations=1, eval_every=1, root=tmp_path) == []
+        ((ran, peer),) = calls
+        assert ran == kind
+        if kind in ("nft", "mix"):
+            expected = (baselines.DiffusionNFT if kind == "nft" else baselines.MixGRPO)(**options)
+            assert peer == expected, (method, peer)
