@@ -3,6 +3,7 @@
 
 import math
 
+import pytest
 import torch
 
 import bench
@@ -126,6 +127,7 @@ def test_peers_section_takes_each_methods_best_lr_and_compares_run_by_run(tmp_pa
         return {key: history(*key) for key in keys}
 
     monkeypatch.setattr(bench, "peer_runs", peer_runs)
+    monkeypatch.setattr(bench, "base_eval", lambda root, base, task: 0.5)
     monkeypatch.setattr(bench, "PEER_GAINS", {"color": (0.02, 0.04, 0.2)})
     text, data = bench.section_peers(tmp_path, tasks=("color",), methods=("V-GRPO", "DiffusionNFT"), bases=(0, 1),
                                      seeds=(0, 1), lrs=(1e-3, 3e-3), sweep_seeds=(0, 1))
@@ -157,3 +159,17 @@ def test_every_peer_method_runs_its_own_runner_with_its_own_options(tmp_path, mo
         if kind in ("nft", "mix"):
             expected = (baselines.DiffusionNFT if kind == "nft" else baselines.MixGRPO)(**options)
             assert peer == expected, (method, peer)
+
+
+def test_gains_are_measured_from_the_bases_evaluation_before_any_update(tmp_path):
+    """A run's first evaluation follows its first update (DiffusionNFT's first step alone gained up to +0.026 on the
+    colour task, V-GRPO's at most +0.007): gains count from the untrained base's evaluation, which is train.py's
+    evaluation of a run whose one update moves nothing (lr 1e-30 rounds away in float32)."""
+    history = [dict(eval=e, grad_steps=i, nfe_fwd=10 * i, nfe_bwd=4 * i, nfe=14 * i, seconds=i, reward_mean=0.5)
+               for i, e in enumerate([0.55, None, 0.56])]
+    assert bench.gain_cost(history, 0.04, start=0.5)["iterations"] == 1  # 0.55 is already +0.05 over the base
+    assert bench.gain_cost(history, 0.04, start=0.52)["iterations"] == 3
+    assert bench.gain_cost(history, 0.07, start=0.5) is None
+    start = bench.base_eval(tmp_path, 0, "color")
+    run = bench.vgrpo_sd3(bench.peer_base(tmp_path, 0), tmp_path / "run", 0, 1, 1, ("--rewards", "color:1", "--lr", "1e-30"))
+    assert run[0]["eval"] == pytest.approx(start, abs=1e-6)
