@@ -164,29 +164,43 @@ def adapters_disabled(transformer):
         transformer.enable_adapters()
 
 
-def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, steps: int = 10,
-                  fg: FlowGRPO = FlowGRPO(), flags=()) -> list[dict]:
-    """Flow-GRPO (FlowGRPO's settings, flow_grpo_update) on train.py's adapter, prompts, rewards, LoRA (r 32, alpha 64,
-    Gaussian init, the attention projections: Flow-GRPO's), AdamW, rollout noise and evaluation: SDE rollouts of
-    `steps` steps, advantages per prompt over the batch's std, the reference the LoRA switched off. History as
-    vgrpo_sd3's; flags: train.py flags for both (--lr sets this one's too)."""
+def tiny_sd3_setup(model_dir: Path, seed: int, flags) -> tuple:
+    """What every peer's run on a saved tiny SD3 shares with train.py: its config (train.py's flags), the pipeline
+    with train.py's LoRA seeded as train.py seeds it, the LoRA's parameters, the rewards, the built-in prompts and the
+    evaluation prompts. Returns (cfg, device, model, params, weights, reward_fns, prompts, eval_prompts)."""
     cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
     model = models.load_pipeline(cfg, "sd3", device, torch.float32)
     models.make_trainable(model.transformer, cfg)
     params = [p for p in model.transformer.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
     weights = rewards.parse_reward_spec(cfg.rewards)
     reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
     prompts = [Prompt(p, {}) for p in builders.TINY_PROMPTS]
     eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
-    grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
-                       max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
+    return cfg, device, model, params, weights, reward_fns, prompts, eval_prompts
 
+
+def base_velocity(model):
+    """The reference policy: the base model's velocity, the LoRA switched off."""
     def reference(x, t, cond):
         with adapters_disabled(model.transformer):
             return model.velocity(x, t, cond)
+    return reference
+
+
+def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *, steps: int = 10,
+                  fg: FlowGRPO = FlowGRPO(), flags=()) -> list[dict]:
+    """Flow-GRPO (FlowGRPO's settings, flow_grpo_update) on train.py's adapter, prompts, rewards, LoRA (r 32, alpha 64,
+    Gaussian init, the attention projections: Flow-GRPO's), AdamW, rollout noise and evaluation: SDE rollouts of
+    `steps` steps, advantages per prompt over the batch's std, the reference the LoRA switched off. History as
+    vgrpo_sd3's; flags: train.py flags for both (--lr sets this one's too)."""
+    cfg, device, model, params, weights, reward_fns, prompts, eval_prompts = tiny_sd3_setup(model_dir, seed, flags)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
+    grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
+                       max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
+
+    reference = base_velocity(model)
 
     P, G, trained_steps = cfg.num_prompts, cfg.group_size, int(steps * fg.timestep_fraction)
     g = torch.Generator().manual_seed(seed)
@@ -320,25 +334,14 @@ def diffusion_nft_sd3(model_dir: Path, seed: int, iterations: int, eval_every: i
     rollouts by the old policy (deterministic DPM-Solver++(2M), nft.sampling_steps steps, no CFG), advantages per
     prompt over the batch's std, one optimizer step, the EMA, then the old policy's soft update; evaluated with the
     EMA weights, as DiffusionNFT evaluates. History as vgrpo_sd3's; flags: train.py flags (--lr sets this one's)."""
-    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
-    device = torch.device("cpu")
-    torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
-    model = models.load_pipeline(cfg, "sd3", device, torch.float32)
-    models.make_trainable(model.transformer, cfg)
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    cfg, device, model, params, weights, reward_fns, prompts, eval_prompts = tiny_sd3_setup(model_dir, seed, flags)
     old = [p.detach().clone() for p in params]  # the old policy starts as the initial LoRA
     ema = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=nft.weight_decay)
-    weights = rewards.parse_reward_spec(cfg.rewards)
-    reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
-    prompts = [Prompt(p, {}) for p in builders.TINY_PROMPTS]
-    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
     sampler = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=nft.sampling_steps,
                           max_sequence_length=cfg.max_sequence_length)
 
-    def reference(x, t, cond):
-        with adapters_disabled(model.transformer):
-            return model.velocity(x, t, cond)
+    reference = base_velocity(model)
 
     P, G = cfg.num_prompts, cfg.group_size
     g = torch.Generator().manual_seed(seed)
@@ -494,17 +497,8 @@ def mixgrpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *,
     advantages per group, updates_per_batch optimizer steps. The model sees the timestep int(1000 sigma) / 1000, as
     MixGRPO passes it. The window moves every mix.iters_per_window x iterations / 300 iterations (the published
     25 of max_train_steps 300: the same number of moves over a shorter run). History as vgrpo_sd3's."""
-    cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
-    device = torch.device("cpu")
-    torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
-    model = models.load_pipeline(cfg, "sd3", device, torch.float32)
-    models.make_trainable(model.transformer, cfg)
-    params = [p for p in model.transformer.parameters() if p.requires_grad]
+    cfg, device, model, params, weights, reward_fns, prompts, eval_prompts = tiny_sd3_setup(model_dir, seed, flags)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=mix.weight_decay)
-    weights = rewards.parse_reward_spec(cfg.rewards)
-    reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
-    prompts = [Prompt(p, {}) for p in builders.TINY_PROMPTS]
-    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
     iters_per_window = max(1, round(mix.iters_per_window * iterations / 300))
 
     def velocity(x, t, cond):  # int(sigma * 1000) / 1000, as MixGRPO's transformer calls receive it
