@@ -167,7 +167,8 @@ def adapters_disabled(transformer):
 def tiny_sd3_setup(model_dir: Path, seed: int, flags) -> tuple:
     """What every peer's run on a saved tiny SD3 shares with train.py: its config (train.py's flags), the pipeline
     with train.py's LoRA seeded as train.py seeds it, the LoRA's parameters, the rewards, the built-in prompts and the
-    evaluation prompts. Returns (cfg, device, model, params, weights, reward_fns, prompts, eval_prompts)."""
+    evaluation (train.py's: eval_samples prompts, position i with fixed noise i; evaluate() -> its eval reward).
+    Returns (cfg, device, model, params, weights, reward_fns, prompts, evaluate)."""
     cfg = train.parse_config(["--model", str(model_dir), "--seed", str(seed), *flags])
     device = torch.device("cpu")
     torch.manual_seed(cfg.seed)  # train.py's LoRA initialisation
@@ -177,8 +178,21 @@ def tiny_sd3_setup(model_dir: Path, seed: int, flags) -> tuple:
     weights = rewards.parse_reward_spec(cfg.rewards)
     reward_fns = {name: rewards.load_reward(name, device=device) for name in weights}
     prompts = [Prompt(p, {}) for p in builders.TINY_PROMPTS]
-    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]  # as train.py: position i, fixed noise i
-    return cfg, device, model, params, weights, reward_fns, prompts, eval_prompts
+    eval_prompts = [prompts[i % len(prompts)] for i in range(cfg.eval_samples)]
+
+    def evaluate() -> float:
+        return rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
+                                 None)["eval/reward_mean"]
+    return cfg, device, model, params, weights, reward_fns, prompts, evaluate
+
+
+def history_entry(it: int, iterations: int, eval_every: int, reward: torch.Tensor, seconds: float, counts: dict,
+                  evaluate) -> dict:
+    """One iteration of a peer's history, as vgrpo_sd3's: the batch's mean reward, the seconds and counts so far, and
+    on the evaluation schedule evaluate()'s eval reward (else None)."""
+    scheduled = it % eval_every == 0 or it == iterations - 1
+    return dict(reward_mean=reward.mean().item(), eval=evaluate() if scheduled else None, seconds=seconds, **counts,
+                nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
 
 
 def base_velocity(model):
@@ -195,7 +209,7 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
     Gaussian init, the attention projections: Flow-GRPO's), AdamW, rollout noise and evaluation: SDE rollouts of
     `steps` steps, advantages per prompt over the batch's std, the reference the LoRA switched off. History as
     vgrpo_sd3's; flags: train.py flags for both (--lr sets this one's too)."""
-    cfg, device, model, params, weights, reward_fns, prompts, eval_prompts = tiny_sd3_setup(model_dir, seed, flags)
+    cfg, device, model, params, weights, reward_fns, prompts, evaluate = tiny_sd3_setup(model_dir, seed, flags)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=fg.weight_decay)
     grid = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=steps,
                        max_sequence_length=cfg.max_sequence_length).timesteps().tolist()
@@ -221,12 +235,7 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
         counts["grad_steps"] += fg.updates_per_batch if n else 0
         counts["nfe_fwd"] += P * G * steps + 2 * n * trained_steps  # rollout; per trained step the policy's and the
         counts["nfe_bwd"] += n * trained_steps  # reference's forwards, and the policy's backward
-        entry = dict(reward_mean=reward.mean().item(), eval=None, seconds=seconds, **counts,
-                     nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
-        if it % eval_every == 0 or it == iterations - 1:
-            entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
-                                              None)["eval/reward_mean"]
-        history.append(entry)
+        history.append(history_entry(it, iterations, eval_every, reward, seconds, counts, evaluate))
     return history
 
 
@@ -334,10 +343,14 @@ def diffusion_nft_sd3(model_dir: Path, seed: int, iterations: int, eval_every: i
     rollouts by the old policy (deterministic DPM-Solver++(2M), nft.sampling_steps steps, no CFG), advantages per
     prompt over the batch's std, one optimizer step, the EMA, then the old policy's soft update; evaluated with the
     EMA weights, as DiffusionNFT evaluates. History as vgrpo_sd3's; flags: train.py flags (--lr sets this one's)."""
-    cfg, device, model, params, weights, reward_fns, prompts, eval_prompts = tiny_sd3_setup(model_dir, seed, flags)
+    cfg, device, model, params, weights, reward_fns, prompts, evaluate = tiny_sd3_setup(model_dir, seed, flags)
     old = [p.detach().clone() for p in params]  # the old policy starts as the initial LoRA
     ema = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=nft.weight_decay)
+
+    def evaluate_ema() -> float:  # DiffusionNFT evaluates its EMA
+        with guards.swapped_weights(params, ema):
+            return evaluate()
     sampler = type(model)(model.pipe, torch.float32, resolution=cfg.resolution, sampling_steps=nft.sampling_steps,
                           max_sequence_length=cfg.max_sequence_length)
 
@@ -372,13 +385,7 @@ def diffusion_nft_sd3(model_dir: Path, seed: int, iterations: int, eval_every: i
         # reference's forwards
         counts["nfe_fwd"] += P * G * nft.sampling_steps + 3 * trained
         counts["nfe_bwd"] += trained
-        entry = dict(reward_mean=reward.mean().item(), eval=None, seconds=seconds, **counts,
-                     nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
-        if it % eval_every == 0 or it == iterations - 1:
-            with guards.swapped_weights(params, ema):
-                entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1,
-                                                  device, None)["eval/reward_mean"]
-        history.append(entry)
+        history.append(history_entry(it, iterations, eval_every, reward, seconds, counts, evaluate_ema))
     return history
 
 
@@ -497,7 +504,7 @@ def mixgrpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *,
     advantages per group, updates_per_batch optimizer steps. The model sees the timestep int(1000 sigma) / 1000, as
     MixGRPO passes it. The window moves every mix.iters_per_window x iterations / 300 iterations (the published
     25 of max_train_steps 300: the same number of moves over a shorter run). History as vgrpo_sd3's."""
-    cfg, device, model, params, weights, reward_fns, prompts, eval_prompts = tiny_sd3_setup(model_dir, seed, flags)
+    cfg, device, model, params, weights, reward_fns, prompts, evaluate = tiny_sd3_setup(model_dir, seed, flags)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=mix.weight_decay)
     iters_per_window = max(1, round(mix.iters_per_window * iterations / 300))
 
@@ -525,10 +532,5 @@ def mixgrpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *,
         counts["grad_steps"] += mix.updates_per_batch if trained else 0
         counts["nfe_fwd"] += P * G * (len(grid) - 1) + trained * len(path)  # rollout; per window step a forward ...
         counts["nfe_bwd"] += trained * len(path)  # ... and a backward
-        entry = dict(reward_mean=reward.mean().item(), eval=None, seconds=seconds, **counts,
-                     nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
-        if it % eval_every == 0 or it == iterations - 1:
-            entry["eval"] = rollouts.evaluate(cfg, model, model.velocity, eval_prompts, reward_fns, weights, 0, 1, device,
-                                              None)["eval/reward_mean"]
-        history.append(entry)
+        history.append(history_entry(it, iterations, eval_every, reward, seconds, counts, evaluate))
     return history
