@@ -195,6 +195,15 @@ def history_entry(it: int, iterations: int, eval_every: int, reward: torch.Tenso
                 nfe=counts["nfe_fwd"] + counts["nfe_bwd"])
 
 
+def iteration_batch(cfg, model, prompts: list[Prompt], it: int) -> tuple[list[Prompt], dict]:
+    """Iteration it's num_prompts prompts as train.py chooses them, each group_size times in a row, and their text
+    encodings repeated alike."""
+    G = cfg.group_size
+    batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), cfg.num_prompts, cfg.seed, it)
+             for _ in range(G)]
+    return batch, {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+
+
 def base_velocity(model):
     """The reference policy: the base model's velocity, the LoRA switched off."""
     def reference(x, t, cond):
@@ -221,8 +230,7 @@ def flow_grpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, 
     history, counts, seconds = [], dict(grad_steps=0, nfe_fwd=0, nfe_bwd=0), 0.0
     for it in range(iterations):
         start = time.perf_counter()
-        batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
-        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+        batch, cond = iteration_batch(cfg, model, prompts, it)
         noise = rollouts.initial_noise(cfg, model, "rollout", it, range(P * G), device)
         x, path = sample_sde(model.velocity, noise, grid, cond, fg, g)
         images = model.decode(x)
@@ -361,8 +369,7 @@ def diffusion_nft_sd3(model_dir: Path, seed: int, iterations: int, eval_every: i
     history, counts, seconds = [], dict(grad_steps=0, nfe_fwd=0, nfe_bwd=0), 0.0
     for it in range(iterations):
         start = time.perf_counter()
-        batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
-        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+        batch, cond = iteration_batch(cfg, model, prompts, it)
         noise = rollouts.initial_noise(cfg, model, "rollout", it, range(P * G), device)
         with guards.swapped_weights(params, old):  # the old policy samples
             x0 = sampler.sample(model.velocity, noise, cond, "dpm2")
@@ -516,8 +523,7 @@ def mixgrpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *,
     history, counts, seconds = [], dict(grad_steps=0, nfe_fwd=0, nfe_bwd=0), 0.0
     for it in range(iterations):
         start = time.perf_counter()
-        batch = [prompts[i] for i in rollouts.prompts_for_iteration(len(prompts), P, cfg.seed, it) for _ in range(G)]
-        cond = {k: v.repeat_interleave(G, 0) for k, v in model.encode([p.text for p in batch[::G]]).items()}
+        batch, cond = iteration_batch(cfg, model, prompts, it)
         noise = rollouts.initial_noise(cfg, model, "rollout", it, range(0, P * G, G), device).repeat_interleave(G, 0)
         window = mixgrpo_window(it, mix, iters_per_window)
         grid = mixgrpo_grid(window, mix)
