@@ -72,8 +72,6 @@ import builders
 import memory
 import models
 import parallel
-import prompts as prompt_sets
-import rewards
 import rollouts
 import runs
 import train
@@ -495,19 +493,13 @@ def peer_base(root: Path, base: int) -> Path:
 
 
 def base_eval(root: Path, base: int, task: str) -> float:
-    """The committed base's evaluation before any update, as train.py evaluates (its fixed prompts, noises and
-    sampler): every method's gains are measured from it. A history's first evaluation follows its first update, and
-    DiffusionNFT's first step alone moved it by +0.011 to +0.026 where V-GRPO's moved -0.002 to +0.007 (colour, base
-    0, lr 3e-3, 3 seeds): gains over each run's own first evaluation handicapped the method that learns in one step."""
-    model_dir, device = peer_base(root, base), torch.device("cpu")
-    cfg = train.parse_config(["--model", str(model_dir), "--prompts", str(model_dir / "prompts.txt"),
-                              "--rewards", PEER_TASKS[task]])
-    _, eval_prompts = prompt_sets.training_prompts(cfg)
-    model = models.load_pipeline(cfg, "sd3", device, torch.float32)
-    weights = rewards.parse_reward_spec(cfg.rewards)
-    return rollouts.evaluate(cfg, model, rollouts.guided_velocity(cfg, model, device), eval_prompts,
-                             rollouts.load_rewards(cfg, weights, "sd3", device), weights, 0, 1, device,
-                             None)["eval/reward_mean"]
+    """The committed base's evaluation before any update, by the evaluation every peer's run uses (train.py's fixed
+    prompts, noises and sampler; the LoRA's B is zero): every method's gains are measured from it. A history's first
+    evaluation follows its first update, and DiffusionNFT's first step alone moved it by +0.011 to +0.026 where
+    V-GRPO's moved -0.002 to +0.007 (colour, base 0, lr 3e-3, 3 seeds): gains over each run's own first evaluation
+    handicapped the method that learns in one step."""
+    *_, evaluate = baselines.tiny_sd3_setup(peer_base(root, base), 0, ("--rewards", PEER_TASKS[task]))
+    return evaluate()
 
 
 def peer_history(method: str, task: str, base: int, seed: int, lr: float, *, iterations: int, eval_every: int,
