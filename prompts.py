@@ -438,12 +438,11 @@ def git_blob_id(data: bytes) -> str:
 
 def pin_problem(data: bytes, path: str) -> str:
     """'' when data is Flow-GRPO's file at `path` (its blob id, and its sha256 where pinned), else what differs."""
-    blob, sha256 = FLOW_GRPO_FILES[path]
-    if git_blob_id(data) != blob:
-        return f"git blob {git_blob_id(data)}, pinned {blob}"
-    if sha256 and hashlib.sha256(data).hexdigest() != sha256:
-        return f"sha256 {hashlib.sha256(data).hexdigest()}, pinned {sha256}"
-    return ""
+    (blob, sha256), got_blob = FLOW_GRPO_FILES[path], git_blob_id(data)
+    if got_blob != blob:
+        return f"git blob {got_blob}, pinned {blob}"
+    got_sha256 = hashlib.sha256(data).hexdigest() if sha256 else None
+    return f"sha256 {got_sha256}, pinned {sha256}" if got_sha256 != sha256 else ""
 
 
 def flow_grpo_file(path: str, what: str) -> Path:
@@ -472,6 +471,7 @@ def flow_grpo_file(path: str, what: str) -> Path:
         partial_file = local.with_name(f"{local.name}.part-{os.getpid()}")
         partial_file.write_bytes(data)
         os.replace(partial_file, local)  # whole or absent: a download cut short never looks cached
+        return local  # checked above
     problem = pin_problem(local.read_bytes(), path)
     if problem:
         raise ConfigError(f"prompt set {what}: {local} is not Flow-GRPO's {path} ({problem}); delete it to download "
