@@ -1,8 +1,9 @@
 """reward_bridge.py: rewards served by another process over HTTP, the client and the server.
 
 Heavy scorers (GenEval's detector, a VLM judge, or any reward of rewards.py in another environment) run behind a
-localhost server; train.py and evaluate.py reach them through the `http`, `geneval` and `unifiedreward` clients of
-rewards.REWARDS. The protocol:
+localhost server; train.py and evaluate.py reach them through the `http` and `geneval` clients of rewards.REWARDS.
+UnifiedReward is the exception: it is served by SGLang or vLLM behind the OpenAI-compatible chat API, and its client
+(UnifiedRewardChat) speaks that API as Flow-GRPO and DiffusionNFT do. The protocol of the others:
 
     POST <url>  {"images": [base64 PNG, ...], "prompts": [str, ...], "metadata": [dict, ...] | null}
     200         {"scores": [float, ...]}        (one finite number per image, same order)
@@ -20,6 +21,7 @@ import http.client
 import io
 import json
 import math
+import re
 import socket
 import sys
 import threading
@@ -87,6 +89,7 @@ class HttpReward:
             raise ValueError(f"reward server timeout {timeout} must be a finite number of seconds > 0 and retries "
                              f"{retries} at least 1")
         self.url, self.timeout, self.retries, self.backoff = url, timeout, retries, backoff
+        self.headers = {"Content-Type": "application/json"}
         self.extras: dict[str, list] = {}
 
     def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
@@ -112,7 +115,9 @@ class HttpReward:
                 raise RewardServerError(f"reward server {self.url} rejected the request ({status}): {detail}")
             last = f"HTTP {status}: {detail}"
         raise RewardServerError(f"reward server {self.url} gave no answer after {self.retries} attempts (last error: "
-                                f"{last}). Is it running? Start one with `python rewards.py serve NAME --port PORT`.")
+                                f"{last}). Is it running? Start one with {self.start_hint}.")
+
+    start_hint = "`python rewards.py serve NAME --port PORT`"
 
     def _request(self, body: bytes) -> tuple[int, bytes]:
         """One POST under a deadline: a watchdog shuts the socket down when `timeout` seconds have passed."""
@@ -135,7 +140,7 @@ class HttpReward:
             if expired.is_set():
                 raise TimeoutError
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            connection.request("POST", path, body, {"Content-Type": "application/json"})
+            connection.request("POST", path, body, self.headers)
             response = connection.getresponse()
             payload = response.read(MAX_RESPONSE_BYTES + 1)
             if expired.is_set():
@@ -165,6 +170,84 @@ class HttpReward:
                                     f'{{"scores": [{n} numbers finite in float32]}}, got {payload[:200]!r}')
         self.extras = {k: v for k, v in answer.items() if k != "scores" and isinstance(v, list) and len(v) == n}
         return torch.tensor(values, dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# UnifiedReward behind an OpenAI-compatible chat server (vLLM, SGLang), as Flow-GRPO and DiffusionNFT call it
+
+# How the authors (DiffusionNFT's README) serve it; the client's defaults match.
+UNIFIEDREWARD_SERVER = ("python -m sglang.launch_server --model-path CodeGoat24/UnifiedReward-7b-v1.5 --api-key flowgrpo "
+                        "--port 17140 --chat-template chatml-llava")
+
+# The authors' pointwise question, word for word as Flow-GRPO's and DiffusionNFT's unifiedreward scorers send it.
+UNIFIEDREWARD_QUESTION = (
+    "<image>\nYou are given a text caption and a generated image based on that caption. Your task is to evaluate this "
+    "image based on two key criteria:\n1. Alignment with the Caption: Assess how well this image aligns with the "
+    "provided caption. Consider the accuracy of depicted objects, their relationships, and attributes as described in "
+    "the caption.\n2. Overall Image Quality: Examine the visual quality of this image, including clarity, detail "
+    "preservation, color accuracy, and overall aesthetic appeal.\nBased on the above criteria, assign a score from 1 "
+    "to 5 after 'Final Score:'.\nYour task is provided as follows:\nText Caption: [{prompt}]")
+
+# Their parser reads the first "Final Score: N" with N in 1..5; it turns an answer without one into a score of 0 and
+# reads "Final Score: 10" as 1. Here the first "Final Score:" must be followed by a number in [1, 5], else an error.
+FINAL_SCORE = re.compile(r"Final Score:\s*([-+]?\d+(?:\.\d+)?)?")
+
+
+class UnifiedRewardChat(HttpReward):
+    """UnifiedReward (a LLaVA-OneVision judge, CodeGoat24/UnifiedReward-7b-v1.5) served behind the OpenAI-compatible
+    chat API, scored as Flow-GRPO and DiffusionNFT score it: each image resized to 512x512 and sent as a PNG data URL
+    with the authors' question, one request per image (concurrently, at most `concurrency` at a time), temperature 0,
+    score = N / 5 for the answer's "Final Score: N", so in [0.2, 1]. An answer without a score, a score outside
+    [1, 5], an error or no answer within `timeout` seconds (each request) is a RewardServerError naming the image,
+    never a silent zero. Start the server as the authors do (UNIFIEDREWARD_SERVER).
+    """
+
+    start_hint = f"`{UNIFIEDREWARD_SERVER}` (or `vllm serve` with --served-model-name UnifiedReward-7b-v1.5)"
+
+    def __init__(self, url: str = "http://127.0.0.1:17140/v1", *, model: str = "UnifiedReward-7b-v1.5",
+                 api_key: str = "flowgrpo", timeout: float = 300.0, retries: int = 3, concurrency: int = 64):
+        if concurrency < 1:
+            raise ValueError(f"unifiedreward concurrency {concurrency} must be at least 1")
+        super().__init__(url.rstrip("/") + "/chat/completions", timeout=timeout, retries=retries)
+        self.model, self.concurrency = model, concurrency
+        self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def __call__(self, images: torch.Tensor, prompts: Sequence[str], metadata: Sequence[dict] | None = None) -> torch.Tensor:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from PIL import Image
+
+        bodies = [json.dumps(self.request(Image.fromarray(image).resize((512, 512)), prompt)).encode()
+                  for image, prompt in zip(rewards.to_uint8(images), prompts, strict=True)]
+        with ThreadPoolExecutor(min(self.concurrency, max(len(bodies), 1))) as pool:
+            answers = list(pool.map(self._post, bodies))
+        return torch.tensor([self.score(answer, index) for index, answer in enumerate(answers)],
+                            dtype=torch.float32, device=images.device)
+
+    def request(self, image, prompt: str) -> dict:
+        """The chat request of the authors' scorer for one PIL image and its prompt."""
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        url = "data:image;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        return {"model": self.model, "temperature": 0,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                          {"type": "text", "text": UNIFIEDREWARD_QUESTION.format(prompt=prompt)}]}]}
+
+    def score(self, payload: bytes, index: int) -> float:
+        try:
+            text = json.loads(payload)["choices"][0]["message"]["content"]
+            if not isinstance(text, str):
+                raise TypeError
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError):
+            raise RewardServerError(f"malformed response from {self.url} for image {index}: expected an OpenAI chat "
+                                    f"completion, got {payload[:200]!r}") from None
+        match = FINAL_SCORE.search(text)
+        value = float(match.group(1)) if match and match.group(1) else None
+        if value is None or not 1 <= value <= 5:
+            found = "no \"Final Score: N\"" if value is None else f"the score {match.group(1)}, outside [1, 5]"
+            raise RewardServerError(f"UnifiedReward at {self.url} answered image {index} with {found}: {text[:200]!r}. "
+                                    f"Is --model-path a UnifiedReward checkpoint and the chat template its own?")
+        return value / 5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,7 +480,8 @@ def serve(argv: list[str] | None = None) -> None:
 
     client = rewards.REWARDS[args.name]
     if args.name not in SERVED and hasattr(client, "port"):
-        refuse(f"{args.name} is an HTTP client here: run its own server (the protocol is in rewards.py's docstring)")
+        how = UNIFIEDREWARD_SERVER if args.name == "unifiedreward" else "the protocol is in reward_bridge.py"
+        refuse(f"{args.name} is an HTTP client here: run its own server ({how})")
     port = getattr(client, "port", 8000) if args.port is None else args.port
     if not 0 <= port <= 65535 or not (math.isfinite(args.timeout) and args.timeout > 0) or args.max_request_mb < 1:
         refuse(f"--port {port} must be 0-65535, --timeout {args.timeout} a number of seconds > 0 and "

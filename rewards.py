@@ -29,8 +29,9 @@ OCR as Flow-GRPO, else 1 as Flow-Factory; train.py's --frame_interval overrides 
 | imagereward            | ImageReward v1.0 (BLIP + MLP, in transformers)      | about -2.5 .. 2.5  |
 | ocr                    | 1 - normalised edit distance to the quoted text,    | [0, 1]             |
 |                        | PP-OCRv4 (Flow-GRPO's rule)                         |                    |
-| geneval, unifiedreward | HTTP clients of a local server (reward_bridge.py)   | server-defined     |
-| http                   |                                                     |                    |
+| unifiedreward          | UnifiedReward-7b-v1.5 "Final Score: N" / 5, behind  | [0.2, 1]           |
+|                        | an OpenAI-compatible chat server (SGLang, vLLM)     |                    |
+| geneval, http          | HTTP clients of a local server (reward_bridge.py)   | server-defined     |
 
 Model weights come from a hub id or a local directory via from_pretrained; the three checkpoints
 that exist only as .pt/.pth files are read with torch.load(weights_only=True); nothing uses
@@ -936,6 +937,19 @@ def http_factory(port: int, what: str) -> Callable[..., Reward]:
     return factory
 
 
+def unifiedreward(*, device: str = "cpu", url: str = "http://127.0.0.1:17140/v1", model: str = "UnifiedReward-7b-v1.5",
+                  api_key: str = "flowgrpo", timeout: float = 300.0, retries: int = 3, concurrency: int = 64) -> Reward:
+    """UnifiedReward (a VLM judge) behind an OpenAI-compatible chat server (SGLang or vLLM), scored as Flow-GRPO and
+    DiffusionNFT do: "Final Score: N" / 5. (device: unused, the server owns the model.)"""
+    from reward_bridge import UnifiedRewardChat
+
+    return UnifiedRewardChat(url, model=model, api_key=api_key, timeout=timeout, retries=retries, concurrency=concurrency)
+
+
+unifiedreward.offline = True  # building it touches nothing: check_options may build one to check the values
+unifiedreward.port = 17140  # the authors' port; `python rewards.py serve` refuses it and says how to start SGLang
+
+
 # ----------------------------------------------------------------------------------------------
 # Registry
 
@@ -952,7 +966,7 @@ REWARDS: dict[str, Callable[..., Reward]] = {
     "ocr": ocr,
     "geneval": http_factory(18082, "GenEval (Flow-GRPO's partial credit in 'scores', GenEval's verdict in 'accuracy'; "
                                    "needs the prompts' metadata; `python rewards.py serve geneval`)"),
-    "unifiedreward": http_factory(18083, "UnifiedReward (a VLM judge)"),
+    "unifiedreward": unifiedreward,
     "http": http_factory(8000, "Any reward behind the HTTP protocol"),
 }
 

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -222,7 +223,7 @@ def test_reward_server_answers_every_bad_request_with_400_and_the_reason(color_s
     (["serve", "color", "--option", "quality=3"], "'color' has no option 'quality'"),
     (["serve", "pickscore", "--option", "model=7"], "option 'model' of 'pickscore' must be str"),
     (["serve", "geneval"], "serve geneval needs --option detector_config=PATH"),
-    (["serve", "unifiedreward"], "unifiedreward is an HTTP client here"),
+    (["serve", "unifiedreward"], "unifiedreward is an HTTP client here: run its own server (python -m sglang.launch_server"),
 ])
 def test_serve_refuses_bad_flags_in_one_line(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -376,3 +377,178 @@ def test_clip_colour_classifier_is_zero_shot_over_the_templates(tiny_clip_dir, m
             weights.append(F.normalize(scorer.embed_texts(texts).mean(0), dim=-1))
         logits = scorer.embed_images(crop) @ torch.stack(weights).T
         assert name == rewards.GENEVAL_COLORS[int(logits.argmax())]
+
+
+# ----------------------------------------------------------------------------------------------
+# UnifiedReward behind an OpenAI-compatible chat server, here a tiny random-weight LLaVA-OneVision
+
+
+class TinyJudge:
+    """A random-weight LLaVA-OneVision (SigLIP + Qwen2: the architecture of UnifiedReward-7b-v1.5, whose transformers
+    class is LlavaOnevisionForConditionalGeneration) with a byte-level Qwen2 tokenizer and LLaVA-OneVision's anyres
+    image processor, sized to answer in a fraction of a second. transformers' LlavaOnevisionProcessor needs
+    torchvision for its video half, so the image tokens are expanded here as the processor does: one <image> token
+    per image feature the model computes."""
+
+    GRID = [[32, 32], [32, 64], [64, 32], [64, 64]]
+
+    def __init__(self):
+        from transformers import (LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration,
+                                  LlavaOnevisionImageProcessorPil, Qwen2Tokenizer)
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        self.tokenizer = Qwen2Tokenizer(vocab={s: i for i, s in enumerate(bytes_to_unicode().values())}, merges=[],
+                                        unk_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+        self.tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<image>", "<video>"]})
+        self.images = LlavaOnevisionImageProcessorPil(size={"height": 32, "width": 32}, image_grid_pinpoints=self.GRID)
+        ids = self.tokenizer.convert_tokens_to_ids
+        config = LlavaOnevisionConfig(
+            vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=8),
+            text_config=dict(model_type="qwen2", vocab_size=len(self.tokenizer), hidden_size=32, intermediate_size=64,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                             eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id),
+            image_token_index=ids("<image>"), video_token_index=ids("<video>"), image_grid_pinpoints=self.GRID,
+            vision_feature_select_strategy="full")
+        self.model = LlavaOnevisionForConditionalGeneration(config).eval()
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # five times the default init's spread: the answer then depends on image and prompt
+            for weight in self.model.parameters():
+                if weight.dim() > 1:
+                    weight.normal_(0, 0.1, generator=generator)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def inputs(self, image, question: str, answer_prefix: str = "") -> dict:
+        """The chatml conversation (user: image, question; assistant: answer_prefix) as model inputs."""
+        pixels = self.images(images=[image], return_tensors="pt")
+        with torch.no_grad():
+            features = self.model.model.get_image_features(pixel_values=pixels["pixel_values"],
+                                                           image_sizes=pixels["image_sizes"], vision_feature_layer=-1,
+                                                           vision_feature_select_strategy="full").pooler_output
+        ids = self.tokenizer.convert_tokens_to_ids
+        tokens = [ids("<|im_start|>"), *self.encode("user\n"), *[ids("<image>")] * len(features[0]), *self.encode(question),
+                  ids("<|im_end|>"), *self.encode("\n"), ids("<|im_start|>"), *self.encode("assistant\n" + answer_prefix)]
+        return {"input_ids": torch.tensor([tokens]), "pixel_values": pixels["pixel_values"],
+                "image_sizes": pixels["image_sizes"]}
+
+    def answer(self, image, question: str, digits: str | None) -> str:
+        """Greedy decoding (temperature 0); with `digits`, constrained to "Final Score: D" with D one of them (as a
+        server's structured-output option constrains it), so the number is the model's own choice."""
+        from transformers import LogitsProcessor, LogitsProcessorList
+
+        inputs = self.inputs(image, question)
+        start = inputs["input_ids"].shape[1]
+        forced = self.encode("Final Score: ")
+        allowed = [self.encode(d)[0] for d in digits or ""]
+        eos = self.tokenizer.eos_token_id
+
+        class FinalScore(LogitsProcessor):
+            def __call__(self, input_ids, scores):
+                step = input_ids.shape[1] - start
+                keep = [forced[step]] if step < len(forced) else allowed if step == len(forced) else [eos]
+                mask = torch.full_like(scores, -torch.inf)
+                mask[:, keep] = 0
+                return scores + mask
+
+        processors = LogitsProcessorList([FinalScore()] if digits else [])
+        with torch.no_grad():
+            out = self.model.generate(**inputs, max_new_tokens=24, do_sample=False, logits_processor=processors)
+        return self.tokenizer.decode(out[0, start:], skip_special_tokens=True)
+
+
+def decode_data_url(url: str):
+    from PIL import Image
+
+    assert url.startswith("data:image;base64,")
+    picture = Image.open(io.BytesIO(base64.b64decode(url.removeprefix("data:image;base64,"))))
+    assert picture.format == "PNG"
+    return picture.convert("RGB")
+
+
+@pytest.fixture(scope="module")
+def judge_server():
+    """An OpenAI-compatible chat server (POST /v1/chat/completions, Bearer key) answering with TinyJudge. Its
+    `mode` says how to answer: constrained to `digits` (None: unconstrained), after `delay` seconds. It records
+    every request it receives."""
+    judge, lock = TinyJudge(), threading.Lock()
+    mode, received = {"digits": "12345", "delay": 0.0}, []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if self.path != "/v1/chat/completions" or self.headers.get("Authorization") != "Bearer flowgrpo":
+                return self.reply(401 if self.path == "/v1/chat/completions" else 404, {"error": "unauthorized or not found"})
+            received.append(request)
+            parts = {part["type"]: part for part in request["messages"][0]["content"]}
+            time.sleep(mode["delay"])
+            with lock:
+                text = judge.answer(decode_data_url(parts["image_url"]["image_url"]["url"]), parts["text"]["text"],
+                                    mode["digits"])
+            self.reply(200, {"object": "chat.completion", "model": request["model"],
+                             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                          "finish_reason": "stop"}]})
+
+        def reply(self, code, obj):
+            body = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            with contextlib.suppress(OSError):  # a client that timed out has gone
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield SimpleNamespace(url=f"http://127.0.0.1:{server.server_address[1]}/v1", judge=judge, mode=mode,
+                          received=received)
+    server.shutdown()
+
+
+def test_unifiedreward_sends_the_authors_request_and_scores_the_models_final_score_over_5(judge_server):
+    """What Flow-GRPO's and DiffusionNFT's scorer sends (the image resized to 512x512 as a PNG data URL, the authors'
+    question with the prompt, temperature 0, the served model's name, the API key) and how the answer becomes a score:
+    the digit the model itself picks after "Final Score: ", computed here by one forward pass, over 5."""
+    from PIL import Image
+
+    images, prompts = smooth_images(6, 48, 40, seed=5), [f"a photo of {n} cats" for n in range(6)]
+    judge_server.received.clear()
+    scores = rewards.load_reward("unifiedreward", url=judge_server.url)(images, prompts)
+
+    assert scores.dtype == torch.float32 and scores.shape == (6,) and len(set(scores.tolist())) > 1
+    by_prompt = {r["messages"][0]["content"][1]["text"]: r for r in judge_server.received}
+    digits = [judge_server.judge.encode(str(d))[0] for d in range(1, 6)]
+    for image, prompt, score in zip(rewards.to_uint8(images), prompts, scores.tolist()):
+        question = reward_bridge.UNIFIEDREWARD_QUESTION.format(prompt=prompt)
+        assert question.startswith("<image>\nYou are given a text caption") and question.endswith(f"Text Caption: [{prompt}]")
+        request = by_prompt[question]
+        assert (request["model"], request["temperature"], len(request["messages"])) == ("UnifiedReward-7b-v1.5", 0, 1)
+        assert [p["type"] for p in request["messages"][0]["content"]] == ["image_url", "text"]
+        sent = decode_data_url(request["messages"][0]["content"][0]["image_url"]["url"])
+        expected = Image.fromarray(image).resize((512, 512))
+        assert sent.size == (512, 512) and np.array_equal(np.asarray(sent), np.asarray(expected))
+        with torch.no_grad():
+            logits = judge_server.judge.model(**judge_server.judge.inputs(expected, question, "Final Score: ")).logits
+        assert score == pytest.approx((int(logits[0, -1, digits].argmax()) + 1) / 5)
+
+
+@pytest.mark.parametrize("mode, options, message", [
+    ({"digits": None}, {}, 'answered image 0 with no "Final Score: N"'),
+    ({"digits": "6789"}, {}, r"answered image 0 with the score [6-9], outside \[1, 5\]"),
+    ({"delay": 3.0}, {"timeout": 1.0, "retries": 1}, "no complete answer within the 1 s timeout.*sglang.launch_server"),
+    ({}, {"api_key": "wrong"}, r"rejected the request \(401\)"),
+])
+def test_unifiedreward_refuses_an_answer_without_a_score_in_range_a_timeout_or_a_refusal(judge_server, mode, options,
+                                                                                          message):
+    """Flow-GRPO's parser would score the first two 0 and 1 ("Final Score: 10" reads as 1); here each is an error."""
+    judge_server.mode.update(mode)
+    try:
+        with pytest.raises(reward_bridge.RewardServerError, match=message):
+            rewards.load_reward("unifiedreward", url=judge_server.url, **options)(smooth_images(1, 16, 16), ["a cat"])
+    finally:
+        judge_server.mode.update({"digits": "12345", "delay": 0.0})
