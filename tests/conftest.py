@@ -29,6 +29,29 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def sd3_position_table_once():
+    """Every SD3 transformer computes its sin-cos position table at construction, even when loading a checkpoint that
+    holds it: at real width 384 x 384 positions x 1536 channels, 226M float64 sines and cosines, 7-12 s on these CPUs,
+    paid by each of the real-width SD3 models the tests build. The table is a pure function of its arguments; here it
+    is computed once per test process and arguments, and each build gets its own copy."""
+    from diffusers.models import embeddings
+
+    original, tables = embeddings.get_2d_sincos_pos_embed, {}
+
+    def get_2d_sincos_pos_embed(*args, **kwargs):
+        if torch.empty(0).is_meta:  # built on the meta device: nothing to compute
+            return original(*args, **kwargs)
+        key = repr((args, sorted(kwargs.items())))
+        if key not in tables:
+            tables[key] = original(*args, **kwargs)
+        return tables[key].clone()
+
+    embeddings.get_2d_sincos_pos_embed = get_2d_sincos_pos_embed
+    yield
+    embeddings.get_2d_sincos_pos_embed = original
+
+
 @pytest.fixture
 def bf16_matmul_fast(monkeypatch):
     """bf16 products through the float32 kernel, in this process and in the Python processes the test starts, where

@@ -2,9 +2,12 @@
 test files make (same training in 1 and N processes, an export that reproduces training).
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -32,16 +35,37 @@ SMALL_RUN = ["--iterations", "2", "--num_prompts", "2", "--group_size", "4", "--
 
 
 def run_train(*args, nproc=0, timeout=600):
-    """train.py as a subprocess (under torchrun with nproc processes if nproc)."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"} if nproc else None  # 2 processes on 2 cores
+    """train.py under torchrun with nproc processes, as a subprocess; with nproc=0, `python train.py ARGS` as
+    train.main(ARGS) in this process (the same code less a fresh interpreter's ~5 s of imports), stdout captured."""
+    if not nproc:
+        proc = run_here(train.main, *args)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return proc
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 processes on 2 cores
     proc = subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=env)
     # "done:" is printed by rank 0 after the export, whose collectives need every rank: the run is complete.
     aborted_after_done = "done: " in proc.stdout and parallel.gloo_teardown_abort(proc.stdout + proc.stderr)
-    complete = proc.returncode == 0 or (nproc and aborted_after_done)
-    assert complete, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0 or aborted_after_done, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def run_here(main, *args) -> subprocess.CompletedProcess:
+    """main(args) (train.main, evaluate.main) in this process, reported as the finished `python SCRIPT ARGS` would
+    be: its exit code, stdout and stderr. The signal handlers a run installs (they hold the run, its model included)
+    are put back as they were."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            main([str(a) for a in args])
+    except SystemExit as stop:
+        code = stop.code or 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess([main.__module__, *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(run_dir):

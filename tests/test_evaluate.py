@@ -20,12 +20,14 @@ import models
 import prompts as prompt_sets
 import reward_bridge
 import train
-from helpers import ROOT, one_line_stop, stub_geneval_scorer
+from helpers import ROOT, one_line_stop, run_here, stub_geneval_scorer
 
 
 def run_evaluate(*args, nproc=0, timeout=600):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc \
-        else [sys.executable]
+    """evaluate.py under torchrun with nproc processes, as a subprocess; with nproc=0, evaluate.main in this process."""
+    if not nproc:
+        return run_here(evaluate.main, *args)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     return subprocess.run([*launcher, str(ROOT / "evaluate.py"), *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout)
 
@@ -162,6 +164,8 @@ def test_evaluate_bad_input_is_one_line(argv, message, monkeypatch, capsys):
 
 
 def test_evaluate_error_is_one_line_on_stderr_without_traceback():
-    result = run_evaluate("--runs", "/nonexistent")
+    """What a user sees: `python evaluate.py` itself, as a process."""
+    result = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--runs", "/nonexistent"], capture_output=True,
+                            text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == ["error: --runs /nonexistent: no checkpoint there (checkpoints/latest is missing)"]
