@@ -2,6 +2,7 @@
 pipelines, a tiny CLIP. Each is built once per session; under pytest-xdist the workers share one copy (built_once).
 """
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -27,6 +28,15 @@ def pytest_configure(config):
     if "PYTEST_XDIST_WORKER" in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def free_real_width_models(request):
+    """After a test that used real-width models, collect the cycles that hold them (gigabytes each): two xdist workers
+    and a test's torchrun processes share 24 GB."""
+    yield
+    if "real_dirs" in request.fixturenames:
+        gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)

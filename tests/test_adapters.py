@@ -2,7 +2,7 @@
 width (reduced depth), with CFG and the pipelines' own schedulers; cond_like is shaped like encode.
 """
 
-from functools import cache, partial
+from functools import lru_cache, partial
 
 import pytest
 import torch
@@ -127,10 +127,11 @@ REAL_WAN = [name for name, spec in builders.REAL_CONFIGS.items() if spec["family
 def real_pipes(real_dirs):
     """name -> pipeline for every REAL_CONFIGS entry, loaded in float32 through from_pretrained where saved (each
     on first use); the other members of a family share the saved one's text encoders and VAE (same widths) with
-    their own transformer and scheduler."""
+    their own transformer and scheduler. One family's saved pipeline is kept at a time (the tests come family by
+    family): all five in float32 held 16 GB of a worker's memory."""
     from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
-    @cache
+    @lru_cache(maxsize=1)
     def saved(name):
         return DiffusionPipeline.from_pretrained(real_dirs / name, dtype=torch.float32)
 
