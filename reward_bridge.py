@@ -226,9 +226,7 @@ class UnifiedRewardChat(HttpReward):
 
     def request(self, image, prompt: str) -> dict:
         """The chat request of the authors' scorer for one PIL image and its prompt."""
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
-        url = "data:image;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+        url = "data:image;base64," + encode_png(np.asarray(image))
         return {"model": self.model, "temperature": 0,
                 "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                           {"type": "text", "text": UNIFIEDREWARD_QUESTION.format(prompt=prompt)}]}]}
