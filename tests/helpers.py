@@ -35,15 +35,17 @@ SMALL_RUN = ["--iterations", "2", "--num_prompts", "2", "--group_size", "4", "--
              "--num_grad_steps", "1"]
 
 
-def run_train(*args, nproc=0, timeout=600):
-    """train.py under torchrun with nproc processes, as a subprocess; with nproc=0, `python train.py ARGS` as
-    train.main(ARGS) in this process (the same code less a fresh interpreter's ~5 s of imports), stdout captured."""
-    if not nproc:
+def run_train(*args, nproc=0, here=True, timeout=600):
+    """train.py under torchrun with nproc processes, as a subprocess; with nproc=0 and `here`, `python train.py ARGS`
+    as train.main(ARGS) in this process (the same code less a fresh interpreter's ~8 s of imports), stdout captured.
+    Real-width runs pass here=False: their gigabytes then leave with their process, not with the worker's allocator
+    (two xdist workers and a torchrun test share 24 GB)."""
+    if not nproc and here:
         proc = run_here(train.main, *args)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return proc
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 processes on 2 cores
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if nproc else None  # 2 processes on 2 cores
     proc = subprocess.run([sys.executable, *launcher, str(ROOT / "train.py"), *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=env)
     # "done:" is printed by rank 0 after the export, whose collectives need every rank: the run is complete.

@@ -23,11 +23,13 @@ import train
 from helpers import ROOT, one_line_stop, run_here, stub_geneval_scorer
 
 
-def run_evaluate(*args, nproc=0, timeout=600):
-    """evaluate.py under torchrun with nproc processes, as a subprocess; with nproc=0, evaluate.main in this process."""
-    if not nproc:
+def run_evaluate(*args, nproc=0, here=True, timeout=600):
+    """evaluate.py under torchrun with nproc processes, as a subprocess; with nproc=0 and `here`, evaluate.main in this
+    process (here=False for real width: as run_train)."""
+    if not nproc and here:
         return run_here(evaluate.main, *args)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc \
+        else [sys.executable]
     return subprocess.run([*launcher, str(ROOT / "evaluate.py"), *args], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout)
 
@@ -141,7 +143,7 @@ def test_evaluate_at_real_width_in_bf16_scores_base_against_a_lora(real_dirs, tm
     result = run_evaluate("--model", str(real_dirs / "sd3.5-medium"), "--loras", str(tmp_path / "lora"), "--prompts",
                           str(tmp_path / "one.txt"), "--rewards", "color,jpeg_compressibility", "--dtype", "bfloat16",
                           "--resolution", "32", "--max_sequence_length", "4", "--sampling_steps", "2",
-                          "--out", str(tmp_path / "e"))
+                          "--out", str(tmp_path / "e"), here=False)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = json.loads((tmp_path / "e" / "eval.json").read_text())["rows"]
     assert json.loads((tmp_path / "e" / "eval.json").read_text())["settings"]["dtype"] == "bfloat16"

@@ -142,7 +142,7 @@ def test_preset_iteration_at_real_width_exports_a_lora_that_diffusers_loads_exac
     """One iteration of each preset (LoRA alpha = 2 x rank: scale 2) at a small batch; the exported LoRA
     loaded with pipe.load_lora_weights reproduces the trained transformer (it loaded at half strength before)."""
     run_train("--preset", preset, "--model", real_dirs / name, "--prompts", real_dirs / "prompts.txt",
-              "--run_dir", tmp_path, "--lr", "1e-2", *REAL_SMALL_RUN, *extra)
+              "--run_dir", tmp_path, "--lr", "1e-2", *REAL_SMALL_RUN, *extra, here=False)
     metrics = read_metrics(tmp_path)[0]
     assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "reward_mean")) and metrics["skipped_steps"] == 0
     config = json.loads((tmp_path / "config.json").read_text())
