@@ -43,11 +43,10 @@ def free_real_width_models(request):
 def sd3_position_table_once():
     """Every SD3 transformer computes its sin-cos position table at construction, even when loading a checkpoint that
     holds it: at real width 384 x 384 positions x 1536 channels, 226M float64 sines and cosines, 7-12 s on these CPUs,
-    paid by each of the real-width SD3 models the tests build. The table is a pure function of its arguments; here it
-    is computed once per test and arguments (a test builds several; kept across tests, the tables held gigabytes
-    in each worker) and kept in float32 (PatchEmbed, its only caller here, stores it
-    in float32: the float64 table, 1.8 GB at SD3.5-Medium's width, would stay in each worker), and each build gets
-    its own copy in the table's dtype, the same numbers once PatchEmbed rounds them to float32."""
+    paid by each of the real-width SD3 models the tests build. The table is a pure function of its arguments: here it
+    is computed once per test (several builds share it; kept for the whole session, the tables held gigabytes in
+    each worker), stored in float32 as PatchEmbed, its only caller here, stores it, and each build gets its own
+    copy in the table's dtype: the same numbers once PatchEmbed rounds them to float32."""
     from diffusers.models import embeddings
 
     original, tables = embeddings.get_2d_sincos_pos_embed, {}

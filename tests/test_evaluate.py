@@ -167,7 +167,6 @@ def test_evaluate_bad_input_is_one_line(argv, message, monkeypatch, capsys):
 
 def test_evaluate_error_is_one_line_on_stderr_without_traceback():
     """What a user sees: `python evaluate.py` itself, as a process."""
-    result = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--runs", "/nonexistent"], capture_output=True,
-                            text=True, cwd=ROOT, timeout=600)
+    result = run_evaluate("--runs", "/nonexistent", here=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == ["error: --runs /nonexistent: no checkpoint there (checkpoints/latest is missing)"]
