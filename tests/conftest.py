@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import adapters
 import bf16_matmul
 import builders
-from helpers import SMALL_RUN, built_once, run_train
+from helpers import DIFFUSERS_FROM_GRID, SMALL_RUN, built_once, run_train, sincos_table_from_grid
 
 
 def pytest_configure(config):
@@ -39,31 +39,19 @@ def free_real_width_models(request):
         gc.collect()
 
 
-@pytest.fixture(autouse=True)
-def sd3_position_table_once():
+@pytest.fixture(autouse=True, scope="session")
+def sd3_position_table_fast():
     """Every SD3 transformer computes its sin-cos position table at construction, even when loading a checkpoint that
-    holds it: at real width 384 x 384 positions x 1536 channels, 226M float64 sines and cosines, 7-12 s on these CPUs,
-    paid by each of the real-width SD3 models the tests build. The table is a pure function of its arguments: here it
-    is computed once per test (several builds share it; kept for the whole session, the tables held gigabytes in
-    each worker), stored in float32 as PatchEmbed, its only caller here, stores it, and each build gets its own
-    copy in the table's dtype: the same numbers once PatchEmbed rounds them to float32."""
+    holds it: at real width 384 x 384 positions x 1536 channels, 226M float64 sines and cosines, 7-15 s on these CPUs,
+    paid by each real-width SD3 model the tests build. Half the channels depend on the row only and half on the column
+    only (diffusers' get_2d_sincos_pos_embed_from_grid), so helpers.sincos_table_from_grid computes each distinct
+    coordinate's row once and gathers: the same numbers in float32, the dtype PatchEmbed stores them in, in 0.3 s
+    (test_builders checks them against diffusers' own)."""
     from diffusers.models import embeddings
 
-    original, tables = embeddings.get_2d_sincos_pos_embed, {}
-
-    def get_2d_sincos_pos_embed(*args, **kwargs):
-        if torch.empty(0).is_meta:  # built on the meta device: nothing to compute
-            return original(*args, **kwargs)
-        key = repr((args, sorted(kwargs.items())))
-        if key not in tables:
-            table = original(*args, **kwargs)
-            tables[key] = table.float(), table.dtype
-        table, dtype = tables[key]
-        return table.to(dtype, copy=True)
-
-    embeddings.get_2d_sincos_pos_embed = get_2d_sincos_pos_embed
+    embeddings.get_2d_sincos_pos_embed_from_grid = sincos_table_from_grid
     yield
-    embeddings.get_2d_sincos_pos_embed = original
+    embeddings.get_2d_sincos_pos_embed_from_grid = DIFFUSERS_FROM_GRID
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from diffusers.models import embeddings
 from filelock import FileLock
 
 import adapters
@@ -193,6 +194,27 @@ SAVED_REAL = {"sd3": "sd3.5-medium", "flux": "flux.1-dev", "qwenimage": "qwen-im
 # bf16 runs at real width use 4 image tokens (32 px) and 4 T5 tokens: the widths, dtypes and layouts under test do not
 # depend on the token count, and the time does (with the bf16_matmul_fast fixture too: bf16_matmul.py).
 BF16_TOKENS = ["--resolution", "32", "--max_sequence_length", "4"]
+
+
+DIFFUSERS_FROM_GRID = embeddings.get_2d_sincos_pos_embed_from_grid  # before conftest puts the one below in its place
+
+
+def sincos_table_from_grid(embed_dim: int, grid: torch.Tensor, output_type: str = "pt") -> torch.Tensor:
+    """diffusers' get_2d_sincos_pos_embed_from_grid, the same numbers in float32 (conftest.sd3_position_table_fast
+    says why): its first half of the channels is the 1-D table of grid[0], its second of grid[1], and each coordinate
+    is constant along one axis of the grid. So diffusers' own 1-D function runs on one line of each, and the lines are
+    broadcast into the one table allocated (fresh pages cost the kernel's zeroing: a table of gathered halves and their
+    concatenation was 3 times the table's bytes). grid: (2, 1, H, W) -> (H * W, embed_dim)."""
+    _, _, height, width = grid.shape
+    if grid.is_meta:  # a model built on the meta device (the memory plan): shapes only
+        return torch.empty(height * width, embed_dim, device="meta")
+    table, half = torch.empty(height, width, embed_dim), embed_dim // 2
+    for coords, channels in (grid[0, 0], slice(0, half)), (grid[1, 0], slice(half, embed_dim)):
+        line = coords[:1, :] if torch.equal(coords, coords[:1, :].expand_as(coords)) else coords[:, :1]
+        assert torch.equal(coords, line.expand_as(coords)), "a coordinate that varies along both axes of the grid"
+        rows = embeddings.get_1d_sincos_pos_embed_from_grid(half, line, output_type)  # (line's length, D / 2)
+        table[..., channels] = rows.view(*line.shape, half)
+    return table.view(height * width, embed_dim)
 
 
 def built_once(tmp_path_factory, name: str, build) -> Path:

@@ -13,7 +13,7 @@ import torch
 import builders
 import failures
 import rewards
-from helpers import ROOT
+from helpers import DIFFUSERS_FROM_GRID, ROOT
 
 
 def test_toy_images_captions_name_the_shape_and_mostly_the_true_colour():
@@ -82,3 +82,23 @@ def test_a_damaged_fitted_base_is_refused_in_one_line(tmp_path, monkeypatch):
         file.write(b"\x00\x01")
     with pytest.raises(failures.ConfigError, match="not the committed file .* restore it from the repository"):
         builders.tiny_pipeline("sd3", seed=0, fit_steps=250)
+
+
+@pytest.mark.parametrize("embed_dim,grid_size,base_size,interpolation_scale", [
+    (64, 48, 32, 1.0),  # SD3-medium's pattern (pos_embed_max_size 192, sample 128 / patch 2) at a quarter of the size
+    (96, 96, 64, 1.0),  # SD3.5's (384, sample 128 / patch 2 and 64 / patch 2)
+    (32, 24, 8, 2.0),  # interpolation_scale != 1: coordinates that are not integers
+])
+def test_the_fast_sd3_position_table_is_diffusers_own_in_float32(embed_dim, grid_size, base_size, interpolation_scale,
+                                                                 monkeypatch):
+    """conftest.sd3_position_table_fast puts helpers.sincos_table_from_grid in diffusers' place for every SD3 model the
+    tests build: the same numbers as diffusers' own table, rounded to float32 as PatchEmbed stores it."""
+    from diffusers.models import embeddings
+
+    args = (embed_dim, grid_size)
+    kwargs = dict(base_size=base_size, interpolation_scale=interpolation_scale, output_type="pt")
+    fast = embeddings.get_2d_sincos_pos_embed(*args, **kwargs)
+    monkeypatch.setattr(embeddings, "get_2d_sincos_pos_embed_from_grid", DIFFUSERS_FROM_GRID)
+    theirs = embeddings.get_2d_sincos_pos_embed(*args, **kwargs)
+    assert theirs.dtype == torch.float64 and fast.dtype == torch.float32
+    assert torch.equal(fast, theirs.float()) and fast.shape == (grid_size ** 2, embed_dim)
