@@ -2,6 +2,8 @@
 """
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,10 +12,27 @@ import bench
 import builders
 import models
 import train
-from helpers import IMAGE_FAMILIES
+from helpers import IMAGE_FAMILIES, run_here
 
 
-def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evaluation(tmp_path):
+@pytest.fixture
+def train_in_process(monkeypatch):
+    """bench.py's `python train.py ARGS` runs as train.main(ARGS) in the test's process (helpers.run_here), other
+    commands as they are: a fresh interpreter's imports are ~6 s of each such run on these CPUs (the real-model section
+    test spent 30 of its 44 s on them), and the CLI has tests of its own (test_train.py, test_failures.py)."""
+    launch = subprocess.run
+
+    def run(command, *, check=False, **kwargs):
+        if command[0] != sys.executable or not str(command[1]).endswith("train.py"):
+            return launch(command, check=check, **kwargs)
+        proc = run_here(train.main, *command[2:])
+        if check and proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, command, proc.stdout, proc.stderr)
+        return proc
+    monkeypatch.setattr(bench.subprocess, "run", run)
+
+
+def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evaluation(tmp_path, train_in_process):
     """Section 9's code path at 2 iterations, random tiny SD3: train.py and flow_grpo_sd3 start from the same weights
     and evaluation (equal first evaluation up to one update), and each counts its own optimizer steps and model
     evaluations per iteration: 2 steps and 64 samples x (8 ODE steps + K = 8 forwards and 8 backwards + 4 old-policy
@@ -91,7 +110,7 @@ def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
     assert model.cond_template["embeds"].std() > 0.5  # random text features, not cond_like's zeros
 
 
-def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs):
+def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs, train_in_process):
     """Section 6's code path, on the tiny pipelines in place of the hub checkpoints."""
     small = ("--resolution", "32", "--max_sequence_length", "8", "--sampling_steps", "3", "--tiny_fit_steps", "0",
              "--lr", "1e-2", "--micro_batch_size", "1")
@@ -161,7 +180,7 @@ def test_every_peer_method_runs_its_own_runner_with_its_own_options(tmp_path, mo
             assert peer == expected, (method, peer)
 
 
-def test_gains_are_measured_from_the_bases_evaluation_before_any_update(tmp_path):
+def test_gains_are_measured_from_the_bases_evaluation_before_any_update(tmp_path, train_in_process):
     """A run's first evaluation follows its first update (DiffusionNFT's first step alone gained up to +0.026 on the
     colour task, V-GRPO's at most +0.007): gains count from the untrained base's evaluation, which is train.py's
     evaluation of a run whose one update moves nothing (lr 1e-30 rounds away in float32)."""
