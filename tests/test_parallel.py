@@ -157,21 +157,27 @@ def checkpoint_dtypes(run_dir):
             if hasattr(v, "properties") and ("lora" in key or key.startswith("optim"))}
 
 
-@pytest.mark.parametrize("name,extra", [("flux.1-dev", ()), ("qwen-image", ("--cfg_scale", "4", "--sampling_steps", "2"))])
-def test_torchrun_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(name, extra, real_dirs, tmp_path,
-                                                                               bf16_matmul_fast):
-    """FLUX.1-dev and Qwen-Image (true CFG in the rollouts, a text mask, rotary tables that are plain tensors, a
-    LoRA weight that never gets a gradient) at real width, 2 processes, FSDP2 with bf16 compute: the sharded LoRA
-    and AdamW states are float32, and the LoRA gathered from the shards loads into diffusers with the trained
-    transformer's output."""
-    family = builders.REAL_CONFIGS[name]["family"]
-    run_train("--model", real_dirs / name, "--prompts", real_dirs / "prompts.txt", "--run_dir", tmp_path,
-              *REAL_SMALL_RUN, *BF16_TOKENS, "--num_prompts", "2", "--sampling_steps", "1", "--num_mc", "2",
-              "--micro_batch_size", "2", "--num_grad_steps", "1", "--dtype", "bfloat16", "--lr", "1e-2", *extra, nproc=2)
+@pytest.mark.parametrize("preset,name,extra", [
+    ("flux", "flux.1-dev", ["--micro_batch_size", "2", "--num_grad_steps", "1"]),  # AB2 rollouts (2 steps: flux2, one process)
+    ("qwenimage", "qwen-image", ["--micro_batch_size", "2"]),  # true CFG rollouts
+])
+def test_preset_iteration_under_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(preset, name, extra,
+                                                                                         real_dirs, tmp_path,
+                                                                                         bf16_matmul_fast):
+    """The FLUX.1-dev and Qwen-Image presets (Qwen-Image: true CFG, a text mask, rotary tables that are plain tensors,
+    a LoRA weight that never gets a gradient) at real width, one iteration on 2 processes, FSDP2 with bf16 compute:
+    the sharded LoRA and AdamW states are float32, the preset's LoRA rank and alpha are the run's, and the LoRA
+    gathered from the shards (alpha = 2 x rank: scale 2) loads into diffusers with the trained transformer's output.
+    (The other presets' iteration: test_train.py, one process in float32.)"""
+    run_train("--preset", preset, "--model", real_dirs / name, "--prompts", real_dirs / "prompts.txt", "--run_dir",
+              tmp_path, *REAL_SMALL_RUN, *BF16_TOKENS, "--num_prompts", "2", "--num_mc", "2", "--dtype", "bfloat16",
+              "--lr", "1e-2", *extra, nproc=2)
     metrics = read_metrics(tmp_path)[0]
-    assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]) and metrics["skipped_steps"] == 0
+    assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "reward_mean")) and metrics["skipped_steps"] == 0
     assert checkpoint_dtypes(tmp_path) == {("model", torch.float32), ("optim", torch.float32)}
-    assert_export_reproduces_training(tmp_path, real_dirs / name, family, lora=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["lora_rank"], config["lora_alpha"]) == (train.PRESETS[preset]["lora_rank"], train.PRESETS[preset]["lora_alpha"])
+    assert_export_reproduces_training(tmp_path, real_dirs / name, builders.REAL_CONFIGS[name]["family"], lora=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -132,15 +132,14 @@ def test_train_runs_geneval_through_a_detector_server(tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("preset,name,extra", [
     ("sd35m", "sd3.5-medium", ["--micro_batch_size", "2"]),
-    ("flux", "flux.1-dev", ["--micro_batch_size", "1"]),  # 2 gradient steps on 2 samples
-    ("qwenimage", "qwen-image", ["--micro_batch_size", "2"]),  # true CFG rollouts
     ("flux2", "flux.2-klein-4b", ["--micro_batch_size", "1"]),  # CFG, 2 gradient steps, LoRA r 64
     ("wan21", "wan2.1-t2v-1.3b", ["--micro_batch_size", "2", "--num_frames", "5", "--width", "0"]),  # UniPC, CFG 4.5
 ])
 def test_preset_iteration_at_real_width_exports_a_lora_that_diffusers_loads_exactly(preset, name, extra, real_dirs,
                                                                                     tmp_path):
     """One iteration of each preset (LoRA alpha = 2 x rank: scale 2) at a small batch; the exported LoRA
-    loaded with pipe.load_lora_weights reproduces the trained transformer (it loaded at half strength before)."""
+    loaded with pipe.load_lora_weights reproduces the trained transformer (it loaded at half strength before). The
+    FLUX.1-dev and Qwen-Image presets: test_parallel.py, under FSDP2 in bf16 on 2 processes."""
     run_train("--preset", preset, "--model", real_dirs / name, "--prompts", real_dirs / "prompts.txt",
               "--run_dir", tmp_path, "--lr", "1e-2", *REAL_SMALL_RUN, *extra, here=False)
     metrics = read_metrics(tmp_path)[0]
