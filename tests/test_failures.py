@@ -22,8 +22,9 @@ import vgrpo
 from helpers import ROOT, SMALL_RUN, one_line_stop, read_metrics
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_or_ctrl_c_checkpoints_the_current_iteration_and_exits_cleanly(sig, tiny_dirs, tmp_path):
+def test_ctrl_c_checkpoints_the_current_iteration_and_exits_cleanly(tiny_dirs, tmp_path):
+    """SIGINT mid-run: as SIGTERM (test_runs.py, the same command continuing its run), the iteration it stopped in is
+    checkpointed whole and the process exits 0."""
     cmd = [sys.executable, str(ROOT / "train.py"), "--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl",
            "--run_dir", tmp_path, *SMALL_RUN, "--iterations", "1000", "--save_every", "1000", "--eval_every", "0"]
     proc = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -31,7 +32,7 @@ def test_sigterm_or_ctrl_c_checkpoints_the_current_iteration_and_exits_cleanly(s
     while not ((tmp_path / "metrics.jsonl").is_file() and len(read_metrics(tmp_path)) >= 2):
         assert proc.poll() is None and time.time() < deadline, "training did not get going"
         time.sleep(0.2)
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGINT)
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, output[-2000:]
     last = read_metrics(tmp_path)[-1]["iteration"]

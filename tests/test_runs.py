@@ -83,7 +83,7 @@ def test_the_same_command_again_continues_its_run_and_a_finished_run_changes_not
     """Before: the same command run again (a Slurm requeue, up-arrow) started at iteration 0 and overwrote
     metrics.jsonl, the checkpoints and final/ without a word. Now a run stopped by SIGTERM continues from its
     checkpoint with every iteration logged once and the straight run's weights; run once more, the finished run says so
-    and no byte changes."""
+    and no byte changes. (Ctrl-C: test_failures.py.)"""
     cmd = [sys.executable, str(ROOT / "train.py"), "--model", tiny_dirs / "sd3", "--prompts", tiny_dirs / "prompts.jsonl",
            *SMALL_RUN, "--iterations", "4", "--run_dir", tmp_path / "run"]
     first = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -93,9 +93,13 @@ def test_the_same_command_again_continues_its_run_and_a_finished_run_changes_not
         time.sleep(0.05)
     first.send_signal(signal.SIGTERM)  # what a scheduler sends before preempting or requeueing the job
     output = first.communicate(timeout=120)[0]
-    assert first.returncode == 0 and "stop requested" in output, output[-2000:]
     stopped_at = read_metrics(tmp_path / "run")[-1]["iteration"]
+    assert first.returncode == 0, output[-2000:]
+    assert f"stop requested (SIGTERM/SIGINT): checkpoint of iteration {stopped_at} saved" in output, output[-2000:]
     assert stopped_at < 3  # stopped early (4 iterations of about a second each after the first line)
+    checkpoints = tmp_path / "run" / "checkpoints"  # the iteration it stopped in, whole; no final export
+    assert (checkpoints / "latest").read_text() == f"iter-{stopped_at:06d}" and not list(checkpoints.glob(".tmp-*"))
+    assert not (tmp_path / "run" / "final").exists()
     again = run_train(*cmd[2:])
     assert f"continuing {tmp_path / 'run'} at iteration {stopped_at + 1} of 4" in again.stdout
     straight, continued = read_metrics(sd3_straight), read_metrics(tmp_path / "run")
