@@ -44,9 +44,9 @@ def sd3_position_table_fast():
     """Every SD3 transformer computes its sin-cos position table at construction, even when loading a checkpoint that
     holds it: at real width 384 x 384 positions x 1536 channels, 226M float64 sines and cosines, 7-15 s on these CPUs,
     paid by each real-width SD3 model the tests build. Half the channels depend on the row only and half on the column
-    only (diffusers' get_2d_sincos_pos_embed_from_grid), so helpers.sincos_table_from_grid computes each distinct
-    coordinate's row once and gathers: the same numbers in float32, the dtype PatchEmbed stores them in, in 0.3 s
-    (test_builders checks them against diffusers' own)."""
+    only (diffusers' get_2d_sincos_pos_embed_from_grid), so helpers.sincos_table_from_grid computes one row and one
+    column of the table and broadcasts them: the same numbers in float32, the dtype PatchEmbed stores them in, in
+    0.6 s (test_builders checks them against diffusers' own). No test's result depends on how long this takes."""
     from diffusers.models import embeddings
 
     embeddings.get_2d_sincos_pos_embed_from_grid = sincos_table_from_grid
