@@ -313,12 +313,14 @@ def nft_loss(v: torch.Tensor, v_old: torch.Tensor, v_ref: torch.Tensor, x_t: tor
 
 
 def diffusion_nft_update(model, reference, old: list, params: list, optimizer, x0, cond, adv, grid: list[float],
-                         nft: DiffusionNFT, *, micro_batch_size: int, max_grad_norm: float, generator) -> int:
+                         nft: DiffusionNFT, *, micro_batch_size: int, max_grad_norm: float, generator, ema: list,
+                         steps_done: int) -> int:
     """DiffusionNFT's training phase on one rollout batch: every sample trained at int(timestep_fraction x steps) of
     the sampling grid's timesteps (a random choice per sample), each with fresh noise, in `gradient_steps` optimizer
-    steps over the (shuffled) batch, the loss averaged over samples and timesteps. old: the old policy's LoRA
-    weights (swapped in for its forwards), reference(x, t, cond) the reference's velocity. Returns the timesteps
-    trained (each a forward and a backward of the policy and forwards of the old policy and the reference)."""
+    steps over the (shuffled) batch, the loss averaged over samples and timesteps, the EMA (ema: its weights) stepped
+    after each optimizer step as DiffusionNFT steps it (steps_done: optimizer steps before this batch). old: the old
+    policy's LoRA weights (swapped in for its forwards), reference(x, t, cond) the reference's velocity. Returns the
+    timesteps trained (each a forward and a backward of the policy and forwards of the old policy and the reference)."""
     trained = int(nft.sampling_steps * nft.timestep_fraction)
     timesteps = torch.tensor(grid[:-1])  # where the rollouts evaluated the model
     order = torch.randperm(len(x0), generator=generator)
@@ -341,6 +343,10 @@ def diffusion_nft_update(model, reference, old: list, params: list, optimizer, x
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
+        steps_done += 1
+        with torch.no_grad():
+            for e, p in zip(ema, params):
+                e.lerp_(p, 1 - nft_ema_decay(steps_done, nft.ema_decay))
     return len(x0) * trained
 
 
@@ -379,11 +385,10 @@ def diffusion_nft_sd3(model_dir: Path, seed: int, iterations: int, eval_every: i
         adv = per_prompt_advantages(reward, [p.text for p in batch])
         trained = diffusion_nft_update(model, reference, old, params, optimizer, x0, cond, adv,
                                        sampler.timesteps().tolist(), nft, micro_batch_size=cfg.micro_batch_size,
-                                       max_grad_norm=cfg.max_grad_norm, generator=g)
+                                       max_grad_norm=cfg.max_grad_norm, generator=g, ema=ema,
+                                       steps_done=counts["grad_steps"])
         counts["grad_steps"] += nft.gradient_steps
-        with torch.no_grad():
-            for e, p in zip(ema, params):  # after each optimizer step in DiffusionNFT; one per batch here
-                e.lerp_(p, 1 - nft_ema_decay(counts["grad_steps"], nft.ema_decay))
+        with torch.no_grad():  # the old policy's soft update, once per batch (after the epoch in DiffusionNFT)
             decay = old_policy_decay(counts["grad_steps"], nft.decay_type)
             for o, p in zip(old, params):
                 o.copy_(decay * o + (1 - decay) * p)

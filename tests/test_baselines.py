@@ -202,11 +202,34 @@ def test_diffusion_nft_update_is_one_optimizer_step_on_the_mean_over_samples_and
         adapter = types.SimpleNamespace(velocity=m)
         trained = baselines.diffusion_nft_update(adapter, m, old, params, torch.optim.SGD(params, lr=0.5), x0, cond, adv,
                                                  grid, nft, micro_batch_size=micro, max_grad_norm=1e9,
-                                                 generator=torch.Generator().manual_seed(0))
+                                                 generator=torch.Generator().manual_seed(0), ema=[], steps_done=0)
         assert trained == len(x0) * 9  # int(0.99 x 10) timesteps per sample
         after.append(torch.cat([p.detach().flatten() for p in params]))
     torch.testing.assert_close(after[0], after[1], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(after[0], torch.cat([p.detach().flatten() for p in model.parameters()]))
+
+
+def test_diffusion_nft_steps_its_ema_after_every_optimizer_step(toy_flow):
+    """train_nft_sd3.py steps the EMA after each optimizer step, with the decay of the step count so far: with 2
+    gradient steps per batch (its OCR setting) the EMA is lerped twice, towards the weights after each step. (It was
+    lerped once per batch, towards the last weights: half as often.)"""
+    model, cond, x0, adv = toy_flow
+    grid = vgrpo.flow_timesteps(10, shift=3.0).tolist()
+    nft = baselines.DiffusionNFT(gradient_steps=2, ema_decay=0.9)
+    params = list(model.parameters())
+    ema, start = [p.detach().clone() for p in params], [p.detach().clone() for p in params]
+    optimizer, after_each = torch.optim.SGD(params, lr=0.5), []
+    optimizer.register_step_post_hook(lambda *_: after_each.append([p.detach().clone() for p in params]))
+    baselines.diffusion_nft_update(types.SimpleNamespace(velocity=model), model, [p.detach() * 0.9 for p in params],
+                                   params, optimizer, x0, cond, adv, grid, nft, micro_batch_size=4, max_grad_norm=1e9,
+                                   generator=torch.Generator().manual_seed(0), ema=ema, steps_done=7)
+    assert len(after_each) == 2
+    expected = start
+    for step, weights in zip((8, 9), after_each):  # decay min((1 + s) / (10 + s), 0.9) after s optimizer steps
+        decay = min((1 + step) / (10 + step), 0.9)
+        expected = [decay * e + (1 - decay) * w for e, w in zip(expected, weights)]
+    for got, want in zip(ema, expected):
+        torch.testing.assert_close(got, want)
 
 
 @pytest.fixture
