@@ -8,6 +8,10 @@ Flow-GRPO (Liu et al. 2025, arXiv 2505.05470; github.com/yifan123/flow_grpo), as
 the defaults of config/base.py and config/grpo.py's SD3.5 tasks: SDE rollouts, per-step Gaussian log-probs and clipped
 ratios, the KL to the reference, two optimizer steps per batch. Validated against Flow-GRPO's own rollout pipeline,
 SDE step and stat tracker on the tiny SD3 pipeline (docs/benchmarks.md, "The Flow-GRPO baseline").
+
+DiffusionNFT and MixGRPO / MixGRPO-Flash: their dataclasses below name the script each setting comes from; each is
+validated against the peer's own modules, driven on the same tiny SD3, base, reward and seeds (docs/benchmarks.md,
+"Validated against DiffusionNFT's own code" and "... MixGRPO's own code").
 """
 
 import contextlib
