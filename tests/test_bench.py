@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import bench
+import bench_gpu
 import builders
 import models
 import train
@@ -17,9 +18,10 @@ from helpers import IMAGE_FAMILIES, run_here
 
 @pytest.fixture
 def train_in_process(monkeypatch):
-    """bench.py's `python train.py ARGS` runs as train.main(ARGS) in the test's process (helpers.run_here), other
-    commands as they are: a fresh interpreter's imports are ~6 s of each such run on these CPUs (the real-model section
-    test spent 30 of its 44 s on them), and the CLI has tests of its own (test_train.py, test_failures.py)."""
+    """bench.py's and bench_gpu.py's `python train.py ARGS` runs as train.main(ARGS) in the test's process
+    (helpers.run_here), other commands as they are: a fresh interpreter's imports are ~6 s of each such run on these
+    CPUs (the real-model section test spent 30 of its 44 s on them), and the CLI has tests of its own (test_train.py,
+    test_failures.py)."""
     launch = subprocess.run
 
     def run(command, *, check=False, **kwargs):
@@ -29,7 +31,7 @@ def train_in_process(monkeypatch):
         if check and proc.returncode:
             raise subprocess.CalledProcessError(proc.returncode, command, proc.stdout, proc.stderr)
         return proc
-    monkeypatch.setattr(bench.subprocess, "run", run)
+    monkeypatch.setattr(subprocess, "run", run)
 
 
 def test_sd3_stability_section_counts_each_methods_evaluations_on_the_same_evaluation(tmp_path, train_in_process):
@@ -86,7 +88,7 @@ def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
     tiny = {family: dict(family=family, config=dict(builders.tiny_pipeline(family).transformer.config), resolution=32,
                          steps=2, tokens=8, cfg=4.0 if family in ("qwenimage", "flux2") else 1.0, samples=2)
             for family in IMAGE_FAMILIES}  # the families bench.py's GPU section measures
-    text, results = bench.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32,
+    text, results = bench_gpu.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32,
                                       rollout_batches={n: (2,) for n in tiny}, backend="eager")
     assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)} | {f"{n} rollout-batch=2" for n in tiny}
     training = [r for key, r in results.items() if "ckpt" in key]
@@ -94,7 +96,7 @@ def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
     assert all(text.count(f"\n| {n} |") == 3 for n in tiny)
     # FLOPs of a sampling step: at least those of its linear layers, 2 x in x out per row, counted by hooks
     for n, spec in tiny.items():
-        model, linear = bench.RandomModel(spec, torch.device("cpu"), torch.float32), []
+        model, linear = bench_gpu.RandomModel(spec, torch.device("cpu"), torch.float32), []
         for m in model.transformer.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(lambda m, args, out: linear.append(2 * out.numel() * m.in_features))
@@ -104,7 +106,7 @@ def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
             velocity(torch.randn(2, *model.latent_shape()), torch.full((2,), 0.5), cond)
         r = results[f"{n} rollout-batch=2"]
         assert sum(linear) <= r["flops"] and r["eager_mfu"] is None and r["compiled_images_per_s"] > 0
-    model = bench.RandomModel({**tiny["qwenimage"], "samples": 2}, torch.device("cpu"), torch.bfloat16)
+    model = bench_gpu.RandomModel({**tiny["qwenimage"], "samples": 2}, torch.device("cpu"), torch.bfloat16)
     assert {p.dtype for p in model.transformer.parameters()} == {torch.bfloat16}
     assert torch.equal(model.cond_template["mask"], torch.ones_like(model.cond_template["mask"]))
     assert model.cond_template["embeds"].std() > 0.5  # random text features, not cond_like's zeros
@@ -115,7 +117,7 @@ def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs, 
     small = ("--resolution", "32", "--max_sequence_length", "8", "--sampling_steps", "3", "--tiny_fit_steps", "0",
              "--lr", "1e-2", "--micro_batch_size", "1")
     presets = {"sd35m": "sd3", "flux": "flux", "qwenimage": "qwenimage", "flux2": "flux2"}
-    text, results = bench.section_real_models({p: tiny_dirs / family for p, family in presets.items()},
+    text, results = bench_gpu.section_real_models({p: tiny_dirs / family for p, family in presets.items()},
                                               device=torch.device("cpu"), small_run=small)
     for r in results.values():
         assert r["rollout_vs_pipe"] < 1e-5 and r["export_vs_trained"] < 1e-5 < 1e-4 < r["trained_vs_base"]
