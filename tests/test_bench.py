@@ -89,7 +89,7 @@ def test_bench_gpu_section_runs_every_family_at_tiny_sizes_on_cpu():
                          steps=2, tokens=8, cfg=4.0 if family in ("qwenimage", "flux2") else 1.0, samples=2)
             for family in IMAGE_FAMILIES}  # the families bench.py's GPU section measures
     text, results = bench_gpu.section_gpu(tiny, device=torch.device("cpu"), dtype=torch.float32,
-                                      rollout_batches={n: (2,) for n in tiny}, backend="eager")
+                                          rollout_batches={n: (2,) for n in tiny}, backend="eager")
     assert set(results) == {f"{n} ckpt={c}" for n in tiny for c in (False, True)} | {f"{n} rollout-batch=2" for n in tiny}
     training = [r for key, r in results.items() if "ckpt" in key]
     assert all(r["step_s"] > 0 and r["floor_s"] > 0 and math.isfinite(r["ratio"]) for r in training)
@@ -118,7 +118,7 @@ def test_bench_real_model_section_runs_the_checks_on_saved_pipelines(tiny_dirs, 
              "--lr", "1e-2", "--micro_batch_size", "1")
     presets = {"sd35m": "sd3", "flux": "flux", "qwenimage": "qwenimage", "flux2": "flux2"}
     text, results = bench_gpu.section_real_models({p: tiny_dirs / family for p, family in presets.items()},
-                                              device=torch.device("cpu"), small_run=small)
+                                                  device=torch.device("cpu"), small_run=small)
     for r in results.values():
         assert r["rollout_vs_pipe"] < 1e-5 and r["export_vs_trained"] < 1e-5 < 1e-4 < r["trained_vs_base"]
         assert r["checkpoint_dtypes"] == ["torch.float32"]
