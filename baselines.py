@@ -487,6 +487,14 @@ def group_advantages_unbiased(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-8)
 
 
+def mixgrpo_advantages(scores: dict[str, torch.Tensor], weights: dict[str, float]) -> torch.Tensor:
+    """MixGRPO's multi_reward_mix "advantage_aggr" (its published scripts' setting): each reward's group advantages
+    (group_advantages_unbiased), summed with the weights normalised to sum 1. With one reward: that reward's group
+    advantages. scores: name -> (P, G); -> (P, G)."""
+    total = sum(weights.values())
+    return sum(w / total * group_advantages_unbiased(scores[name]) for name, w in weights.items())
+
+
 def mixgrpo_update(velocity, path: list, cond, adv: torch.Tensor, optimizer, params: list, mix: MixGRPO, *,
                    group_size: int, t_cap: float, max_grad_norm: float) -> int:
     """MixGRPO's training phase on one rollout batch (G samples per group, group-major): updates_per_batch optimizer
@@ -517,9 +525,10 @@ def mixgrpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *,
                 flags=()) -> list[dict]:
     """MixGRPO (mix.flash: MixGRPO-Flash) on train.py's adapter, prompts, rewards, LoRA, AdamW and evaluation: every
     sample of a group from the same initial noise (--init_same_noise), SDE steps only in the sliding window,
-    advantages per group, updates_per_batch optimizer steps. The model sees the timestep int(1000 sigma) / 1000, as
-    MixGRPO passes it. The window moves every mix.iters_per_window x iterations / 300 iterations (the published
-    25 of max_train_steps 300: the same number of moves over a shorter run). History as vgrpo_sd3's."""
+    advantages per group and per reward (mixgrpo_advantages), updates_per_batch optimizer steps. The model sees the
+    timestep int(1000 sigma) / 1000, as MixGRPO passes it. The window moves every mix.iters_per_window x iterations /
+    300 iterations (the published 25 of max_train_steps 300: the same number of moves over a shorter run). History as
+    vgrpo_sd3's."""
     cfg, device, model, params, weights, reward_fns, prompts, evaluate = tiny_sd3_setup(model_dir, seed, flags)
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=mix.weight_decay)
     iters_per_window = max(1, round(mix.iters_per_window * iterations / 300))
@@ -540,7 +549,7 @@ def mixgrpo_sd3(model_dir: Path, seed: int, iterations: int, eval_every: int, *,
         images = model.decode(x0)
         scores = {n: fn(images, [p.text for p in batch], [p.metadata for p in batch]).float() for n, fn in reward_fns.items()}
         reward = sum(w * scores[n] for n, w in weights.items())
-        adv = group_advantages_unbiased(reward.view(P, G)).flatten()
+        adv = mixgrpo_advantages({n: scores[n].view(P, G) for n in weights}, weights).flatten()
         trained = mixgrpo_update(velocity, path, cond, adv, optimizer, params, mix, group_size=G, t_cap=grid[1],
                                  max_grad_norm=cfg.max_grad_norm)
         seconds += time.perf_counter() - start

@@ -291,6 +291,35 @@ def test_mixgrpo_rollout_is_euler_outside_the_window_sde_inside_and_dpm_after_it
     torch.testing.assert_close(x, z)
 
 
+def test_mixgrpo_aggregates_each_rewards_group_advantages_as_its_scripts_do(tiny_dirs, monkeypatch):
+    """multi_reward_mix "advantage_aggr" (MixGRPO's published scripts; train_grpo_flux.py's loop written out below):
+    per reward and group (r - mean) / (unbiased std + 1e-8), summed with the weights normalised to sum 1; and
+    mixgrpo_sd3 trains on it. It trained on the group advantages of the weighted reward sum (MixGRPO's other mode,
+    reward_aggr): another weighting of the two rewards in every group."""
+    g = torch.Generator().manual_seed(0)
+    scores = {"color": torch.rand(2, 4, generator=g), "jpeg": 10 * torch.rand(2, 4, generator=g)}
+    weights = {"color": 1.0, "jpeg": 3.0}
+    expected = torch.zeros(8)
+    for name, rewards in scores.items():
+        flat = rewards.flatten()
+        for i in range(2):
+            group = flat[4 * i:4 * (i + 1)]
+            expected[4 * i:4 * (i + 1)] += (group - group.mean()) / (group.std() + 1e-8) * weights[name] / 4.0
+    torch.testing.assert_close(baselines.mixgrpo_advantages(scores, weights).flatten(), expected)
+    summed = baselines.group_advantages_unbiased(sum(w * scores[n] for n, w in weights.items()))
+    assert not torch.allclose(summed.flatten(), expected, atol=1e-2)  # the two modes differ here
+    # mixgrpo_sd3 trains on these advantages, one per reward the run scores
+    calls, trained = [], []
+    advantages = baselines.mixgrpo_advantages
+    monkeypatch.setattr(baselines, "mixgrpo_advantages", lambda s, w: calls.append((set(s), w)) or advantages(s, w))
+    monkeypatch.setattr(baselines, "mixgrpo_update", lambda *a, **k: trained.append(a[3]) or 0)
+    flags = ("--rewards", "color:1,jpeg_compressibility:2",
+             "--num_prompts", "2", "--group_size", "4", "--eval_samples", "4", "--tiny_fit_steps", "0")
+    baselines.mixgrpo_sd3(tiny_dirs / "sd3", 0, 1, 1, flags=flags)
+    assert calls == [({"color", "jpeg_compressibility"}, {"color": 1.0, "jpeg_compressibility": 2.0})]
+    assert len(trained) == 1 and trained[0].shape == (8,)
+
+
 def test_mixgrpo_update_steps_once_per_part_of_every_group_with_ratio_one_first():
     """updates_per_batch optimizer steps, step j on the j-th part of every group (as MixGRPO's GPUs step through their
     generations three at a time); the first step recomputes exactly the sampling log-probs (ratio 1)."""
