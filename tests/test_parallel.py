@@ -158,7 +158,8 @@ def checkpoint_dtypes(run_dir):
 
 
 @pytest.mark.parametrize("preset,name,extra", [
-    ("flux", "flux.1-dev", ["--micro_batch_size", "2", "--num_grad_steps", "1"]),  # AB2 rollouts (2 steps: flux2, one process)
+    # AB2 rollouts, one gradient step (the preset's 2 on micro-batches of 1: FLUX.2 [klein]'s preset test)
+    ("flux", "flux.1-dev", ["--micro_batch_size", "2", "--num_grad_steps", "1"]),
     ("qwenimage", "qwen-image", ["--micro_batch_size", "2"]),  # true CFG rollouts
 ])
 def test_preset_iteration_under_fsdp2_bf16_at_real_width_stores_float32_and_exports_exactly(preset, name, extra,
