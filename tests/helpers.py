@@ -6,6 +6,7 @@ import contextlib
 import gc
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ from diffusers.models import embeddings
 from filelock import FileLock
 
 import adapters
+import builders
 import parallel
 import reward_bridge
 import rewards
@@ -152,6 +154,17 @@ def assert_export_reproduces_training(run_dir, base_dir, family, *, lora):
         got = loaded.velocity(z, t, cond)
     assert (want - before).abs().max() > 1e-4  # training moved the model, so the check below can fail
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def assert_preset_iteration(run_dir, base_dir, preset: str, name: str):
+    """One iteration of `preset` trained on the saved pipeline of REAL_CONFIGS[name]: finite metrics, no skipped step,
+    the preset's LoRA rank and alpha in the run's config, and an export that reproduces training."""
+    metrics = read_metrics(run_dir)[0]
+    assert all(math.isfinite(metrics[k]) for k in ("loss", "grad_norm", "reward_mean")) and metrics["skipped_steps"] == 0
+    config = json.loads((Path(run_dir) / "config.json").read_text())
+    assert (config["lora_rank"], config["lora_alpha"]) == (train.PRESETS[preset]["lora_rank"],
+                                                           train.PRESETS[preset]["lora_alpha"])
+    assert_export_reproduces_training(run_dir, base_dir, builders.REAL_CONFIGS[name]["family"], lora=True)
 
 
 def smooth_images(n, h=40, w=56, seed=0):
